@@ -1,0 +1,1 @@
+"""The loraplane Kubernetes operator (kopf). Arrives with the operator issue."""

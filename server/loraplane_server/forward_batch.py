@@ -1,0 +1,31 @@
+"""The tensors that describe one engine step to the model, built by the model runner.
+
+Passed explicitly through every layer's forward (no module-level context).
+Token order: all decode tokens first (one per sequence), then each prefill chunk in turn.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class PrefillChunk:
+    query_start: int  # first row of this chunk in the flat token batch
+    num_query_tokens: int
+    num_context_tokens: int  # tokens before the chunk already in the KV cache
+    block_table: torch.Tensor  # [num_blocks] int64, covers context + chunk
+
+
+@dataclass
+class ForwardBatch:
+    positions: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64, flat KV slot for each token
+    num_decode_tokens: int
+    decode_block_tables: torch.Tensor | None  # [Bd, max_blocks] int64, padded with 0
+    decode_context_lens: torch.Tensor | None  # [Bd] int64, including the new token
+    prefills: list[PrefillChunk] = field(default_factory=list)
+    logits_indices: torch.Tensor | None = None  # [S] rows whose next token is sampled
+    lora: object | None = None  # per-token adapter slots, set once adapters arrive

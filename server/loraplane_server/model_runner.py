@@ -1,0 +1,87 @@
+"""Owns the model, the KV cache tensors and the sampler; turns a scheduled step into tokens."""
+
+from __future__ import annotations
+
+import torch
+
+from loraplane_server.forward_batch import ForwardBatch, PrefillChunk
+from loraplane_server.models.llama import LlamaForCausalLM
+from loraplane_server.sampler import Sampler
+from loraplane_server.sequence import Sequence
+
+
+def kv_block_bytes(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
+    a = model.args
+    return 2 * a.num_layers * block_size * a.num_kv_heads * a.head_dim * dtype.itemsize
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        a = model.args
+        self.model = model
+        self.block_size = block_size
+        self.device = device
+        self.kv_caches = torch.zeros(
+            a.num_layers, 2, num_blocks, block_size, a.num_kv_heads, a.head_dim, dtype=dtype, device=device
+        )  # [L, 2, N, B, KVH, D]
+        self.sampler = Sampler()
+        self.generators: dict[int, torch.Generator | None] = {}  # seq id -> its own RNG
+
+    def prepare(self, scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, ForwardBatch, list[Sequence]]:
+        """Flatten a step into input ids and a ForwardBatch; decodes first, then prefill chunks."""
+        is_decode = [n == 1 and s.num_computed_tokens == len(s) - 1 for s, n in scheduled]
+        decodes = [sn for sn, d in zip(scheduled, is_decode, strict=True) if d]
+        prefills = [sn for sn, d in zip(scheduled, is_decode, strict=True) if not d]
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        logits_rows: list[int] = []
+        samplers: list[Sequence] = []
+        chunks: list[PrefillChunk] = []
+        bs = self.block_size
+        for i, (seq, n) in enumerate(decodes + prefills):
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            if i >= len(decodes):
+                table = torch.tensor(seq.block_table[: -(-end // bs)], dtype=torch.int64)
+                chunks.append(PrefillChunk(len(ids), n, start, table.to(self.device)))
+            ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(seq.block_table[p // bs] * bs + p % bs for p in range(start, end))
+            if end == len(seq):  # the step reaches the last token: sample the next one
+                logits_rows.append(len(ids) - 1)
+                samplers.append(seq)
+        tables, lens = None, None
+        if decodes:
+            width = max(len(s.block_table) for s, _ in decodes)
+            tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s, _ in decodes])
+            lens = torch.tensor([len(s) for s, _ in decodes])
+        t = lambda xs: torch.tensor(xs, dtype=torch.int64, device=self.device)  # noqa: E731
+        batch = ForwardBatch(
+            positions=t(positions),
+            slot_mapping=t(slots),
+            num_decode_tokens=len(decodes),
+            decode_block_tables=None if tables is None else tables.to(self.device),
+            decode_context_lens=None if lens is None else lens.to(self.device),
+            prefills=chunks,
+            logits_indices=t(logits_rows),
+        )
+        return t(ids), batch, samplers
+
+    @torch.inference_mode()
+    def run(self, scheduled: list[tuple[Sequence, int]]) -> tuple[list[Sequence], list[int], list[float]]:
+        """One forward pass; returns the sequences that sampled, their tokens and logprobs."""
+        input_ids, batch, samplers = self.prepare(scheduled)
+        logits = self.model(input_ids, self.kv_caches, batch)  # [S, V]
+        if not samplers:
+            return [], [], []
+        gens = [self.generators.get(s.seq_id) for s in samplers]
+        seen = [s.token_ids if s.params.repetition_penalty != 1.0 else [] for s in samplers]
+        tokens, logprobs = self.sampler(logits, [s.params for s in samplers], gens, seen)
+        return samplers, tokens.tolist(), logprobs.tolist()

@@ -1,0 +1,155 @@
+"""The Llama family (Llama 2/3, Mistral, Qwen2, SmolLM2): RMSNorm, RoPE, GQA attention, SwiGLU.
+
+Every projection an adapter may target (q, k, v, o, gate, up, down) is a ProjectionLinear.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from loraplane_server.forward_batch import ForwardBatch
+from loraplane_server.layers.attention import paged_attention
+from loraplane_server.layers.linear import ProjectionLinear
+from loraplane_server.layers.norm import RMSNorm
+from loraplane_server.layers.rotary import RotaryEmbedding
+
+SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
+TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    mlp_bias: bool
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict) -> ModelArgs:
+        model_type = cfg.get("model_type", "")
+        if model_type not in SUPPORTED_TYPES:
+            raise ValueError(f"model_type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_TYPES)})")
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        heads = cfg["num_attention_heads"]
+        return cls(
+            model_type=model_type,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
+            rope_scaling=rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None,
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+        )
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, layer_idx: int) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
+        q, kv = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
+        self.qkv = ProjectionLinear(args.hidden_size, {"q_proj": q, "k_proj": kv, "v_proj": kv}, args.qkv_bias)
+        self.o = ProjectionLinear(q, {"o_proj": args.hidden_size}, bias=False)
+        self.scale = args.head_dim**-0.5
+        self.layer_idx = layer_idx
+
+    def forward(
+        self, x: torch.Tensor, rotary: RotaryEmbedding, kv_cache: torch.Tensor, batch: ForwardBatch
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv(x, batch).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        q, k = rotary(batch.positions, q, k)
+        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], batch, self.scale)  # [T, H, D]
+        return self.o(out.reshape(t, q_size), batch)
+
+
+class MLP(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        inter = args.intermediate_size
+        self.gate_up = ProjectionLinear(args.hidden_size, {"gate_proj": inter, "up_proj": inter}, args.mlp_bias)
+        self.down = ProjectionLinear(inter, {"down_proj": args.hidden_size}, args.mlp_bias)
+        self.intermediate_size = inter
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        gate, up = self.gate_up(x, batch).split(self.intermediate_size, dim=-1)
+        return self.down(F.silu(gate) * up, batch)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.self_attn = Attention(args, layer_idx)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.mlp = MLP(args)
+
+    def forward(
+        self, x: torch.Tensor, rotary: RotaryEmbedding, kv_cache: torch.Tensor, batch: ForwardBatch
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rotary, kv_cache, batch)
+        return x + self.mlp(self.post_attention_layernorm(x), batch)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, args: ModelArgs, max_positions: int) -> None:
+        super().__init__()
+        self.args = args
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.rotary = RotaryEmbedding(args.head_dim, max_positions, args.rope_theta, args.rope_scaling)
+        self.lm_head = None if args.tie_word_embeddings else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        for p in self.parameters():
+            p.requires_grad_(False)
+
+    def forward(self, input_ids: torch.Tensor, kv_caches: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """input_ids [T] -> logits [S, V] for the rows in batch.logits_indices."""
+        x = self.embed_tokens(input_ids)  # [T, hidden]
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, self.rotary, kv_cache, batch)
+        if batch.logits_indices is not None:
+            x = x[batch.logits_indices]
+        x = self.norm(x)
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(x, weight)
+
+    def projection(self, layer: int, name: str) -> ProjectionLinear:
+        """The ProjectionLinear holding target module `name` of layer `layer`."""
+        block = self.layers[layer]
+        holder = {
+            "q_proj": block.self_attn.qkv,
+            "k_proj": block.self_attn.qkv,
+            "v_proj": block.self_attn.qkv,
+            "o_proj": block.self_attn.o,
+            "gate_proj": block.mlp.gate_up,
+            "up_proj": block.mlp.gate_up,
+            "down_proj": block.mlp.down,
+        }
+        return holder[name]

@@ -1,0 +1,43 @@
+"""Per-request generation options."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    """How one request is decoded. Validated once at construction.
+
+    temperature 0 means greedy. seed makes sampling reproducible for this request alone,
+    whatever batch it shares a step with.
+    """
+
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: bool = False
+
+    def __post_init__(self) -> None:
+        checks = [
+            ("max_new_tokens", self.max_new_tokens >= 1, "must be >= 1"),
+            ("temperature", 0.0 <= self.temperature <= 100.0, "must be in [0, 100]"),
+            ("top_k", self.top_k >= 0, "must be >= 0 (0 disables it)"),
+            ("top_p", 0.0 < self.top_p <= 1.0, "must be in (0, 1]"),
+            ("repetition_penalty", 0.0 < self.repetition_penalty <= 10.0, "must be in (0, 10]"),
+        ]
+        for name, ok, why in checks:
+            if not ok:
+                raise ValueError(f"{name}={getattr(self, name)!r} {why}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must not be empty")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0

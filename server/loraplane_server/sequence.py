@@ -1,0 +1,88 @@
+"""A request's state as the scheduler and block manager see it. No torch here."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+
+from loraplane_server.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    LENGTH = "length"
+    STOP = "stop"  # eos token, stop token id or stop string
+    ABORT = "abort"
+    ERROR = "error"
+
+
+_ids = itertools.count()
+
+
+class Sequence:
+    """Prompt plus generated tokens, the KV blocks holding them, and progress through them."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        adapter_id: str | None = None,
+    ) -> None:
+        self.seq_id = next(_ids)
+        self.request_id = request_id
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.adapter_id = adapter_id
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: FinishReason | None = None
+        self.block_table: list[int] = []
+        self.num_computed_tokens = 0  # tokens whose K/V are in the cache
+        self.num_cached_tokens = 0  # of those, found in the prefix cache
+        self.num_preemptions = 0
+        self.logprobs: list[float] = []
+        self.output_text_len = 0  # chars of decoded text already checked for stop strings
+        self.arrival_time = time.monotonic()
+        self.first_token_time: float | None = None
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    def block_tokens(self, i: int, block_size: int) -> list[int]:
+        return self.token_ids[i * block_size : (i + 1) * block_size]
+
+    def append_token(self, token_id: int, logprob: float | None = None) -> None:
+        self.token_ids.append(token_id)
+        if logprob is not None:
+            self.logprobs.append(logprob)
+
+    def reset_for_recompute(self) -> None:
+        """Preempted: forget the KV blocks; prompt and output so far are recomputed later."""
+        self.block_table = []
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0
+        self.num_preemptions += 1
+        self.status = SequenceStatus.WAITING
