@@ -1,0 +1,132 @@
+"""An asyncio front for the engine: one background thread steps it; each request streams.
+
+The engine is not thread-safe, so only the stepping thread touches it: adds and aborts are
+queued and applied between steps. A consumer that stops iterating (a client gone away) aborts
+its request at once, which frees its KV blocks at the next step boundary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from loraplane_server.engine import LLMEngine, RequestOutput
+from loraplane_server.sampling_params import SamplingParams
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt: str | list[int]
+    params: SamplingParams
+    adapter_id: str | None
+    queue: asyncio.Queue[RequestOutput | BaseException]
+    loop: asyncio.AbstractEventLoop
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._adds: list[_Add] = []
+        self._aborts: list[str] = []
+        self._streams: dict[str, _Add] = {}
+        self._stopped = False
+        self._ids = 0
+        self._thread = threading.Thread(target=self._loop, name="engine-step", daemon=True)
+        self._thread.start()
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+                       adapter_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Yield the request's output after every step that advanced it; the last one is finished.
+
+        Raises ValueError (a bad request) before the first yield.
+        """
+        with self._lock:
+            self._ids += 1
+            request_id = request_id or f"areq-{self._ids}"
+        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._submit(_Add(request_id, prompt, params, adapter_id, queue, asyncio.get_running_loop()))
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._aborts.append(request_id)
+        self._wake.set()
+
+    def _submit(self, add: _Add) -> None:
+        with self._lock:
+            if self._stopped:
+                raise RuntimeError("the engine is shut down")
+            self._adds.append(add)
+        self._wake.set()
+
+    @property
+    def num_streams(self) -> int:
+        return len(self._streams)
+
+    def shutdown(self) -> None:
+        with self._lock:
+            self._stopped = True
+        self._wake.set()
+        self._thread.join(timeout=30)
+
+    # the stepping thread
+    def _loop(self) -> None:
+        while True:
+            self._apply_pending()
+            if self._stopped and not self._streams:
+                return
+            if not self.engine.has_unfinished:
+                self._wake.wait(timeout=0.5)
+                self._wake.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # noqa: BLE001 - fail every stream, keep the thread alive
+                self._fail_all(exc)
+                continue
+            for out in outputs:
+                self._deliver(out)
+
+    def _apply_pending(self) -> None:
+        with self._lock:
+            adds, self._adds = self._adds, []
+            aborts, self._aborts = self._aborts, []
+        for add in adds:
+            try:
+                self.engine.add_request(add.prompt, add.params, add.request_id, add.adapter_id)
+                self._streams[add.request_id] = add
+            except ValueError as exc:
+                add.loop.call_soon_threadsafe(add.queue.put_nowait, exc)
+        for request_id in aborts:
+            self.engine.abort(request_id)
+
+    def _deliver(self, out: RequestOutput) -> None:
+        add = self._streams.get(out.request_id)
+        if add is None:
+            return
+        if out.finished:
+            del self._streams[out.request_id]
+        add.loop.call_soon_threadsafe(add.queue.put_nowait, out)
+
+    def _fail_all(self, exc: Exception) -> None:
+        for request_id, add in list(self._streams.items()):
+            self.engine.abort(request_id)
+            add.loop.call_soon_threadsafe(add.queue.put_nowait, RuntimeError(f"engine step failed: {exc}"))
+        self._streams.clear()
