@@ -39,7 +39,9 @@ def test_seeded_request_same_alone_and_in_batch(engine: LLMEngine) -> None:
     prompt = "Tell me a story about a dragon."
     alone = engine.generate([prompt], params)[0].token_ids
     others = [f"Write about topic number {i}." for i in range(15)]
-    other_params = [SamplingParams(max_new_tokens=10 + i, temperature=1.0, seed=None if i % 2 else i) for i in range(15)]
+    other_params = [
+        SamplingParams(max_new_tokens=10 + i, temperature=1.0, seed=None if i % 2 else i) for i in range(15)
+    ]
     batch = engine.generate(others[:7] + [prompt] + others[7:], other_params[:7] + [params] + other_params[7:])
     assert batch[7].token_ids == alone
     assert len({tuple(o.token_ids) for o in batch}) > 1
@@ -66,7 +68,9 @@ def test_max_new_tokens_and_logprobs(engine: LLMEngine) -> None:
 
 
 def test_abort_frees_blocks(engine: LLMEngine) -> None:
-    ids = [engine.add_request("Write a long essay about the sea.", SamplingParams(max_new_tokens=200)) for _ in range(4)]
+    ids = [
+        engine.add_request("Write a long essay about the sea.", SamplingParams(max_new_tokens=200)) for _ in range(4)
+    ]
     waiting = engine.add_request("never scheduled", SamplingParams(max_new_tokens=5))
     engine.abort(waiting)
     finished: dict[str, str | None] = {}
@@ -104,10 +108,13 @@ def test_context_limit_ends_generation(engine: LLMEngine) -> None:
 
 
 def test_async_streams_and_cancel(engine: LLMEngine) -> None:
-    front = AsyncEngine(engine)
+    sync = engine.generate(["Hello"], SamplingParams(max_new_tokens=6, ignore_eos=True))[0].token_ids
+    front = AsyncEngine(engine)  # from here on only its thread may step the engine
 
     async def stream(prompt: str, n: int) -> list[list[int]]:
-        return [o.new_token_ids async for o in front.generate(prompt, SamplingParams(max_new_tokens=n, ignore_eos=True))]
+        return [
+            o.new_token_ids async for o in front.generate(prompt, SamplingParams(max_new_tokens=n, ignore_eos=True))
+        ]
 
     async def cancel_after(k: int) -> int:
         seen = 0
@@ -125,7 +132,6 @@ def test_async_streams_and_cancel(engine: LLMEngine) -> None:
         (a, b), seen = asyncio.run(main())
         assert [len(x) for x in a] == [1] * 6 and [len(x) for x in b] == [1] * 9
         assert seen == 3
-        sync = engine.generate(["Hello"], SamplingParams(max_new_tokens=6, ignore_eos=True))[0].token_ids
         assert [t for x in a for t in x] == sync
 
         async def bad() -> None:

@@ -8,9 +8,11 @@ its request at once, which frees its KV blocks at the next step boundary.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from loraplane_server.engine import LLMEngine, RequestOutput
 from loraplane_server.sampling_params import SamplingParams
@@ -26,6 +28,9 @@ class _Add:
     loop: asyncio.AbstractEventLoop
 
 
+T = TypeVar("T")
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
@@ -33,14 +38,20 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._adds: list[_Add] = []
         self._aborts: list[str] = []
+        self._calls: list[tuple[Callable[[], Any], concurrent.futures.Future]] = []
         self._streams: dict[str, _Add] = {}
         self._stopped = False
         self._ids = 0
         self._thread = threading.Thread(target=self._loop, name="engine-step", daemon=True)
         self._thread.start()
 
-    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-                       adapter_id: str | None = None) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        adapter_id: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
         """Yield the request's output after every step that advanced it; the last one is finished.
 
         Raises ValueError (a bad request) before the first yield.
@@ -63,6 +74,16 @@ class AsyncEngine:
         finally:
             if not finished:
                 self.abort(request_id)
+
+    async def call(self, fn: Callable[[], T]) -> T:
+        """Run fn on the stepping thread between two steps (engine state is not thread-safe)."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            if self._stopped:
+                raise RuntimeError("the engine is shut down")
+            self._calls.append((fn, future))
+        self._wake.set()
+        return await asyncio.wrap_future(future)
 
     def abort(self, request_id: str) -> None:
         with self._lock:
@@ -93,7 +114,9 @@ class AsyncEngine:
             if self._stopped and not self._streams:
                 return
             if not self.engine.has_unfinished:
-                self._wake.wait(timeout=0.5)
+                for out in self.engine.poll_adapters():  # finish prewarms while idle
+                    self._deliver(out)
+                self._wake.wait(timeout=0.2)
                 self._wake.clear()
                 continue
             try:
@@ -108,6 +131,12 @@ class AsyncEngine:
         with self._lock:
             adds, self._adds = self._adds, []
             aborts, self._aborts = self._aborts, []
+            calls, self._calls = self._calls, []
+        for fn, future in calls:
+            try:
+                future.set_result(fn())
+            except Exception as exc:  # noqa: BLE001 - the caller gets it
+                future.set_exception(exc)
         for add in adds:
             try:
                 self.engine.add_request(add.prompt, add.params, add.request_id, add.adapter_id)

@@ -27,13 +27,19 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def _config(a: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(model=a.model, dtype=a.dtype, max_num_seqs=a.max_num_seqs,
-                        max_num_batched_tokens=a.max_num_batched_tokens, kv_cache_bytes=int(a.kv_cache_gib * 2**30))
+    return EngineConfig(
+        model=a.model,
+        dtype=a.dtype,
+        max_num_seqs=a.max_num_seqs,
+        max_num_batched_tokens=a.max_num_batched_tokens,
+        kv_cache_bytes=int(a.kv_cache_gib * 2**30),
+    )
 
 
 def _params(a: argparse.Namespace) -> SamplingParams:
-    return SamplingParams(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p,
-                          top_k=a.top_k, seed=a.seed)
+    return SamplingParams(
+        max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, seed=a.seed
+    )
 
 
 def cmd_chat(a: argparse.Namespace) -> int:

@@ -19,8 +19,13 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # None: the model's own context length
     enable_prefix_caching: bool = True
-    max_loras: int = 8
+    max_loras: int = 8  # device slots: distinct adapters in one step
     max_lora_rank: int = 64
+    adapter_dir: str | None = None  # every subdirectory is an adapter named after it
+    host_cache_bytes: int = 2 << 30
+    disk_cache_bytes: int = 20 << 30
+    disk_cache_dir: str | None = None  # None: <user cache>/loraplane/adapters
+    lora_backend: str = "auto"  # auto (triton on CUDA, torch elsewhere) | torch | triton
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
@@ -29,5 +34,7 @@ class EngineConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if self.lora_backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"lora_backend={self.lora_backend!r}: expected auto, torch or triton")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ValueError("num_kv_blocks must be >= 2")

@@ -14,8 +14,13 @@ from pathlib import Path
 import torch
 
 from loraplane_server.block_manager import BlockManager
-from loraplane_server.builtin import resolve_model
+from loraplane_server.builtin import cache_root, resolve_model
 from loraplane_server.config import EngineConfig
+from loraplane_server.lora.disk_cache import DiskCache
+from loraplane_server.lora.manager import AdapterManager
+from loraplane_server.lora.slot_table import SlotTable
+from loraplane_server.lora.slots import LoRASlots
+from loraplane_server.lora.weights import AdapterError
 from loraplane_server.model_runner import ModelRunner, kv_block_bytes
 from loraplane_server.models.loader import load_model, read_config
 from loraplane_server.sampler import make_generator
@@ -68,8 +73,23 @@ class LLMEngine:
             2, config.kv_cache_bytes // kv_block_bytes(model, config.block_size, self.dtype)
         )
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(model, num_blocks, config.block_size, self.dtype, self.device)
+        self.adapters = AdapterManager(
+            model.args,
+            self.dtype,
+            config.max_lora_rank,
+            config.host_cache_bytes,
+            DiskCache(Path(config.disk_cache_dir or cache_root() / "adapters"), config.disk_cache_bytes),
+            Path(config.adapter_dir) if config.adapter_dir else None,
+        )
+        self.slots = SlotTable(config.max_loras)
+        self.scheduler = Scheduler(
+            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, self.slots, self.adapters.is_ready
+        )
+        lora_slots = LoRASlots(model, config.max_loras, config.max_lora_rank, self.dtype, self.device)
+        use_triton = config.lora_backend == "triton" or (config.lora_backend == "auto" and self.device.type == "cuda")
+        self.runner = ModelRunner(model, num_blocks, config.block_size, self.dtype, self.device, lora_slots, use_triton)
+        self._device_prewarm: set[str] = set()
+        self._errors: dict[str, str] = {}
         self.tokenizer = _load_tokenizer(self.model_dir)
         self.eos_token_ids = _eos_ids(self.model_dir, hf_config)
         self.requests: dict[str, Sequence] = {}
@@ -95,6 +115,8 @@ class LLMEngine:
             ids = list(prompt)
         request_id = request_id or f"req-{next(self._counter)}"
         self._validate(request_id, ids, params)
+        if adapter_id is not None:
+            self.adapters.request(adapter_id)  # raises AdapterError for an unknown adapter
         seq = Sequence(request_id, ids, params, adapter_id)
         self.requests[request_id] = seq
         self._texts[request_id] = ""
@@ -139,12 +161,15 @@ class LLMEngine:
     # step
     def step(self) -> list[RequestOutput]:
         outputs, self._aborted = self._aborted, []
+        outputs += self.poll_adapters()
         plan = self.scheduler.schedule()
-        if not plan.scheduled:
+        outputs += self._load_slots(plan.slot_loads)
+        scheduled = [(s, n) for s, n in plan.scheduled if not s.is_finished]
+        if not scheduled:
             return outputs
-        samplers, tokens, logprobs = self.runner.run(plan.scheduled)
+        samplers, tokens, logprobs = self.runner.run(scheduled)
         self.num_steps += 1
-        for seq, n in plan.scheduled:
+        for seq, n in scheduled:
             seq.num_computed_tokens += n
             self.block_manager.commit(seq)
         now = time.monotonic()
@@ -188,12 +213,103 @@ class LLMEngine:
             logprobs=list(seq.logprobs),
             num_cached_tokens=seq.num_cached_tokens,
             adapter_id=seq.adapter_id,
+            error=self._errors.get(seq.request_id),
         )
 
     def _release(self, seq: Sequence) -> None:
         self.requests.pop(seq.request_id, None)
         self._texts.pop(seq.request_id, None)
+        self._errors.pop(seq.request_id, None)
         self.runner.generators.pop(seq.seq_id, None)
+
+    # adapters
+    def poll_adapters(self) -> list[RequestOutput]:
+        """Apply finished background loads: fail the waiting requests of adapters that failed."""
+        outputs = []
+        for adapter_id, error in self.adapters.drain_completions():
+            if error is None:
+                continue
+            self._device_prewarm.discard(adapter_id)
+            for seq in self.scheduler.take_waiting(adapter_id):
+                outputs.append(self._fail(seq, f"adapter {adapter_id!r} failed to load: {error}"))
+        for adapter_id in [k for k in self.scheduler.rr if k is not None]:
+            if not self.adapters.is_ready(adapter_id) and not self.adapters.is_loading(adapter_id):
+                self.adapters.request(adapter_id)  # evicted from host while its requests waited
+        for adapter_id in list(self._device_prewarm):
+            if self.adapters.is_ready(adapter_id) and self.slots.can_acquire(adapter_id):
+                slot, needs_load = self.slots.acquire(adapter_id, ref=False)
+                if needs_load:
+                    self.runner.lora_slots.load(slot, self.adapters.weights(adapter_id))
+                self._device_prewarm.discard(adapter_id)
+        return outputs
+
+    def _load_slots(self, slot_loads: list[tuple[int, str]]) -> list[RequestOutput]:
+        outputs = []
+        for slot, adapter_id in slot_loads:
+            try:
+                self.runner.lora_slots.load(slot, self.adapters.weights(adapter_id))
+            except (AdapterError, OSError, ValueError) as exc:
+                self.runner.lora_slots.clear(slot)
+                for seq in [s for s in self.scheduler.running if s.adapter_id == adapter_id]:
+                    outputs.append(self._fail(seq, f"adapter {adapter_id!r} failed to load: {exc}"))
+                self.slots.evict(adapter_id)
+        return outputs
+
+    def _fail(self, seq: Sequence, error: str) -> RequestOutput:
+        self.scheduler.finish(seq, FinishReason.ERROR)
+        self._errors[seq.request_id] = error
+        out = self._output(seq, [])
+        self._release(seq)
+        return out
+
+    def prewarm(self, adapter_id: str, tier: str = "device", pinned: bool | None = None) -> None:
+        """Move an adapter up to `tier` (device | host | disk) in the background; optionally pin it."""
+        if tier not in ("device", "host", "disk", "none"):
+            raise ValueError(f"tier {tier!r}: expected device, host, disk or none")
+        if tier != "none":
+            self.adapters.prewarm(adapter_id, tier)
+        if tier == "device":
+            self._device_prewarm.add(adapter_id)
+        if pinned is not None:
+            self.adapters.set_pinned(adapter_id, pinned)
+            (self.slots.pinned.add if pinned else self.slots.pinned.discard)(adapter_id)
+
+    def unload(self, adapter_id: str) -> bool:
+        """Forget an adapter on every tier. Refused (ValueError) while requests use or await it."""
+        users = [s for s in self.requests.values() if s.adapter_id == adapter_id]
+        if users:
+            raise ValueError(f"adapter {adapter_id!r} is in use by {len(users)} requests")
+        slot = self.slots.lookup(adapter_id)
+        if slot is not None:
+            self.slots.evict(adapter_id)
+            self.runner.lora_slots.clear(slot)
+        self._device_prewarm.discard(adapter_id)
+        return self.adapters.unregister(adapter_id)
+
+    def adapter_residency(self) -> list[dict]:
+        """Every known adapter: tier, state, size, rank, errors, hits."""
+        rows = []
+        for rec in list(self.adapters.records.values()):
+            slot = self.slots.lookup(rec.adapter_id)
+            rows.append(
+                {
+                    "id": rec.adapter_id,
+                    "source": rec.source.uri,
+                    "state": rec.state.value,
+                    "tier": "device" if slot is not None else self.adapters.tier_of(rec.adapter_id),
+                    "slot": slot,
+                    "rank": rec.rank,
+                    "size_bytes": rec.size_bytes,
+                    "target_modules": rec.target_modules,
+                    "pinned": rec.pinned,
+                    "last_error": rec.last_error,
+                    "hits": rec.hits,
+                    "loads": rec.loads,
+                    "load_seconds": rec.load_seconds,
+                    "running": 0 if slot is None else self.slots.refs[slot],
+                }
+            )
+        return rows
 
     def decode(self, token_ids: list[int]) -> str:
         return "" if self.tokenizer is None else self.tokenizer.decode(token_ids, skip_special_tokens=True)

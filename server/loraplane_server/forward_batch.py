@@ -7,8 +7,12 @@ Token order: all decode tokens first (one per sequence), then each prefill chunk
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from loraplane_server.lora.batch import LoRABatch
 
 
 @dataclass
@@ -28,4 +32,4 @@ class ForwardBatch:
     decode_context_lens: torch.Tensor | None  # [Bd] int64, including the new token
     prefills: list[PrefillChunk] = field(default_factory=list)
     logits_indices: torch.Tensor | None = None  # [S] rows whose next token is sampled
-    lora: object | None = None  # per-token adapter slots, set once adapters arrive
+    lora: LoRABatch | None = None  # per-token adapter slots; None when no token has an adapter

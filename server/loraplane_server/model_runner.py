@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 
 from loraplane_server.forward_batch import ForwardBatch, PrefillChunk
+from loraplane_server.lora.batch import LoRABatch
+from loraplane_server.lora.slots import LoRASlots
 from loraplane_server.models.llama import LlamaForCausalLM
 from loraplane_server.sampler import Sampler
 from loraplane_server.sequence import Sequence
@@ -23,6 +25,8 @@ class ModelRunner:
         block_size: int,
         dtype: torch.dtype,
         device: torch.device,
+        lora_slots: LoRASlots | None = None,
+        use_triton: bool = False,
     ) -> None:
         a = model.args
         self.model = model
@@ -32,6 +36,8 @@ class ModelRunner:
             a.num_layers, 2, num_blocks, block_size, a.num_kv_heads, a.head_dim, dtype=dtype, device=device
         )  # [L, 2, N, B, KVH, D]
         self.sampler = Sampler()
+        self.lora_slots = lora_slots
+        self.use_triton = use_triton
         self.generators: dict[int, torch.Generator | None] = {}  # seq id -> its own RNG
 
     def prepare(self, scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, ForwardBatch, list[Sequence]]:
@@ -72,7 +78,27 @@ class ModelRunner:
             prefills=chunks,
             logits_indices=t(logits_rows),
         )
+        batch.lora = self._lora_batch(decodes, prefills, chunks)
         return t(ids), batch, samplers
+
+    def _lora_batch(
+        self, decodes: list[tuple[Sequence, int]], prefills: list[tuple[Sequence, int]], chunks: list[PrefillChunk]
+    ) -> LoRABatch | None:
+        if self.lora_slots is None or all(s.lora_slot is None for s, _ in decodes + prefills):
+            return None
+        none = self.lora_slots.none_slot
+        decode_slots = [none if s.lora_slot is None else s.lora_slot for s, _ in decodes]
+        segments: list[tuple[int, int, int]] = []
+        for (seq, _), chunk in zip(prefills, chunks, strict=True):
+            if seq.lora_slot is None:
+                continue
+            start, end = chunk.query_start, chunk.query_start + chunk.num_query_tokens
+            if segments and segments[-1][1] == start and segments[-1][2] == seq.lora_slot:
+                segments[-1] = (segments[-1][0], end, seq.lora_slot)  # merge runs of one adapter
+            else:
+                segments.append((start, end, seq.lora_slot))
+        lora = LoRABatch(self.lora_slots, decode_slots, segments, self.device, self.use_triton)
+        return None if lora.is_empty else lora
 
     @torch.inference_mode()
     def run(self, scheduled: list[tuple[Sequence, int]]) -> tuple[list[Sequence], list[int], list[float]]:

@@ -44,6 +44,7 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.block_table: list[int] = []
+        self.lora_slot: int | None = None  # device slot while running with an adapter
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
         self.num_cached_tokens = 0  # of those, found in the prefix cache
         self.num_preemptions = 0

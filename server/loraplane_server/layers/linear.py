@@ -14,8 +14,12 @@ from loraplane_server.forward_batch import ForwardBatch
 
 
 class ProjectionLinear(nn.Module):
-    def __init__(self, in_features: int, outputs: dict[str, int], bias: bool = False) -> None:
+    def __init__(
+        self, in_features: int, outputs: dict[str, int], bias: bool = False, kind: str = "", layer_idx: int = 0
+    ) -> None:
         super().__init__()
+        self.kind = kind  # qkv | o | gate_up | down: which stacked LoRA slots serve this layer
+        self.layer_idx = layer_idx
         self.in_features = in_features
         self.names = list(outputs)
         self.slices: dict[str, tuple[int, int]] = {}
@@ -40,5 +44,5 @@ class ProjectionLinear(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         out = F.linear(x, self.weight, self.bias)  # [T, out]
         if batch.lora is not None:
-            out = batch.lora.apply(self, x, out)  # type: ignore[attr-defined]
+            out = batch.lora.apply(self, x, out)
         return out

@@ -70,8 +70,10 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
         q, kv = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
-        self.qkv = ProjectionLinear(args.hidden_size, {"q_proj": q, "k_proj": kv, "v_proj": kv}, args.qkv_bias)
-        self.o = ProjectionLinear(q, {"o_proj": args.hidden_size}, bias=False)
+        self.qkv = ProjectionLinear(
+            args.hidden_size, {"q_proj": q, "k_proj": kv, "v_proj": kv}, args.qkv_bias, "qkv", layer_idx
+        )
+        self.o = ProjectionLinear(q, {"o_proj": args.hidden_size}, False, "o", layer_idx)
         self.scale = args.head_dim**-0.5
         self.layer_idx = layer_idx
 
@@ -90,11 +92,13 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, layer_idx: int) -> None:
         super().__init__()
         inter = args.intermediate_size
-        self.gate_up = ProjectionLinear(args.hidden_size, {"gate_proj": inter, "up_proj": inter}, args.mlp_bias)
-        self.down = ProjectionLinear(inter, {"down_proj": args.hidden_size}, args.mlp_bias)
+        self.gate_up = ProjectionLinear(
+            args.hidden_size, {"gate_proj": inter, "up_proj": inter}, args.mlp_bias, "gate_up", layer_idx
+        )
+        self.down = ProjectionLinear(inter, {"down_proj": args.hidden_size}, args.mlp_bias, "down", layer_idx)
         self.intermediate_size = inter
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
@@ -108,7 +112,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.self_attn = Attention(args, layer_idx)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.mlp = MLP(args)
+        self.mlp = MLP(args, layer_idx)
 
     def forward(
         self, x: torch.Tensor, rotary: RotaryEmbedding, kv_cache: torch.Tensor, batch: ForwardBatch

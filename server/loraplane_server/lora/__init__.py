@@ -1,0 +1,1 @@
+"""Adapters: PEFT loading and validation, tiered cache, device slots, batched LoRA compute."""

@@ -1,0 +1,86 @@
+"""Per-step LoRA compute: every token carries a slot; all adapters in one pass.
+
+Torch path (CPU): decode tokens gather their slot's A and B and run two batched matmuls (BGMV);
+prefill tokens come in contiguous chunks of one sequence, merged into runs of one slot and
+multiplied per run (segments by adapter). No Python loop over requests.
+Triton path (CUDA, or TRITON_INTERPRET=1): the same segments in one SGMV launch per matmul.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from loraplane_server.layers.linear import ProjectionLinear
+from loraplane_server.lora.slots import LoRASlots
+
+
+class LoRABatch:
+    def __init__(
+        self,
+        slots: LoRASlots,
+        decode_slots: list[int],
+        segments: list[tuple[int, int, int]],
+        device: torch.device,
+        use_triton: bool = False,
+    ) -> None:
+        """decode_slots: slot per decode row (none_slot for base); segments: (start, end, slot) of prefill rows."""
+        self.slots = slots
+        self.num_decode = len(decode_slots)
+        used = {s for s in decode_slots if s != slots.none_slot} | {s for _, _, s in segments}
+        self.kinds = {k for s in used for k in slots.widths[s]}
+        self.decode_slots = (
+            torch.tensor(decode_slots, dtype=torch.int64, device=device)
+            if any(s != slots.none_slot for s in decode_slots)
+            else None
+        )
+        self.segments = segments
+        self.use_triton = use_triton
+        if use_triton:
+            self._build_triton_segments(decode_slots, device)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.kinds
+
+    def apply(self, layer: ProjectionLinear, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """out [T, out] += the LoRA delta of every token's adapter for this merged layer."""
+        if layer.kind not in self.kinds:
+            return out
+        a = self.slots.a[layer.kind][layer.layer_idx]  # [S+1, P*R, in]
+        b = self.slots.b[layer.kind][layer.layer_idx]  # [S+1, out, P*R]
+        if self.use_triton:
+            return self._apply_triton(layer.kind, a, b, x, out)
+        nd = self.num_decode
+        if self.decode_slots is not None:
+            h = torch.bmm(a[self.decode_slots], x[:nd].unsqueeze(-1))  # [Bd, P*R, 1]
+            out[:nd] += torch.bmm(b[self.decode_slots], h).squeeze(-1)
+        for start, end, slot in self.segments:
+            w = self.slots.widths[slot].get(layer.kind)
+            if w:
+                out[start:end] += (x[start:end] @ a[slot, :w].T) @ b[slot, :, :w].T
+        return out
+
+    # triton
+    def _build_triton_segments(self, decode_slots: list[int], device: torch.device) -> None:
+        none = self.slots.none_slot
+        segs = [(i, 1, s) for i, s in enumerate(decode_slots) if s != none]
+        segs += [(start, end - start, s) for start, end, s in self.segments]
+        as_tensor = lambda xs: torch.tensor(xs, dtype=torch.int32, device=device)  # noqa: E731
+        self.t_starts = as_tensor([s for s, _, _ in segs])
+        self.t_lens = as_tensor([n for _, n, _ in segs])
+        self.t_slots = as_tensor([s for _, _, s in segs])
+        self.t_ranks = {kind: as_tensor([w.get(kind, 0) for w in self.slots.widths]) for kind in self.slots.layouts}
+        self.num_rows = max((s + n for s, n, _ in segs), default=0)
+
+    def _apply_triton(
+        self, kind: str, a: torch.Tensor, b: torch.Tensor, x: torch.Tensor, out: torch.Tensor
+    ) -> torch.Tensor:
+        from loraplane_server.lora.triton_kernels import sgmv_expand, sgmv_shrink
+
+        if self.t_starts.numel() == 0:
+            return out
+        h = torch.zeros(x.shape[0], a.shape[1], dtype=torch.float32, device=x.device)  # [T, P*R]
+        ranks = self.t_ranks[kind]
+        sgmv_shrink(x, a, self.t_starts, self.t_lens, self.t_slots, ranks, h)
+        sgmv_expand(h, b, self.t_starts, self.t_lens, self.t_slots, ranks, out, 0)
+        return out

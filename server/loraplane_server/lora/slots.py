@@ -1,0 +1,63 @@
+"""Device-resident LoRA weights: one stacked tensor pair per merged layer kind, slot-indexed.
+
+For a merged layer with P projections (q|k|v: P=3), slot s holds A as [P*R, in] and B as
+[out, P*R]: projection p's A rows sit at [p*r, p*r + r_p) and its B columns likewise, where r is
+the slot's rank, so B is block-diagonal and one shrink plus one expand cover all P projections.
+Slot index num_slots is all zeros: tokens without an adapter gather it and add nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from loraplane_server.layers.linear import ProjectionLinear
+from loraplane_server.lora.weights import LoRAWeights
+from loraplane_server.models.llama import LlamaForCausalLM
+
+
+class LoRASlots:
+    def __init__(
+        self, model: LlamaForCausalLM, num_slots: int, max_rank: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        self.num_slots = num_slots
+        self.none_slot = num_slots
+        self.max_rank = max_rank
+        self.layouts: dict[str, ProjectionLinear] = {}
+        for module in model.modules():
+            if isinstance(module, ProjectionLinear) and module.layer_idx == 0:
+                self.layouts[module.kind] = module
+        num_layers = model.args.num_layers
+        self.a: dict[str, torch.Tensor] = {}
+        self.b: dict[str, torch.Tensor] = {}
+        for kind, lin in self.layouts.items():
+            width = len(lin.names) * max_rank
+            self.a[kind] = torch.zeros(num_layers, num_slots + 1, width, lin.in_features, dtype=dtype, device=device)
+            self.b[kind] = torch.zeros(num_layers, num_slots + 1, lin.out_features, width, dtype=dtype, device=device)
+        self.widths: list[dict[str, int]] = [{} for _ in range(num_slots + 1)]  # used columns per kind
+        self.adapter_in: list[str | None] = [None] * num_slots
+
+    def kind_of(self, module: str) -> tuple[str, int]:
+        for kind, lin in self.layouts.items():
+            if module in lin.names:
+                return kind, lin.names.index(module)
+        raise KeyError(module)
+
+    def load(self, slot: int, weights: LoRAWeights) -> None:
+        """Copy an adapter's weights into slot (replacing whatever was there)."""
+        self.clear(slot)
+        r = weights.rank
+        for (layer, module), (a, b) in weights.tensors.items():
+            kind, p = self.kind_of(module)
+            lo, hi = self.layouts[kind].slices[module]
+            rank = a.shape[0]
+            self.a[kind][layer, slot, p * r : p * r + rank].copy_(a)
+            self.b[kind][layer, slot, lo:hi, p * r : p * r + rank].copy_(b)
+            self.widths[slot][kind] = len(self.layouts[kind].names) * r
+        self.adapter_in[slot] = weights.adapter_id
+
+    def clear(self, slot: int) -> None:
+        for kind in self.widths[slot]:
+            self.a[kind][:, slot].zero_()
+            self.b[kind][:, slot].zero_()
+        self.widths[slot] = {}
+        self.adapter_in[slot] = None

@@ -1,0 +1,271 @@
+"""BlockManager: allocation, reference counts, prefix caching and eviction order. Plain Python, no torch."""
+
+from __future__ import annotations
+
+import pytest
+
+from loraplane_server.block_manager import BlockManager, chain_hash
+from loraplane_server.sampling_params import SamplingParams
+from loraplane_server.sequence import Sequence
+
+BS = 4
+
+
+def make_seq(tokens: list[int], adapter_id: str | None = None) -> Sequence:
+    return Sequence("r", tokens, SamplingParams(max_new_tokens=8), adapter_id)
+
+
+def prefill(bm: BlockManager, seq: Sequence) -> list[int]:
+    """Admit seq with whatever prefix the cache holds, compute all its tokens and commit; return the hit."""
+    cached = bm.find_cached_blocks(seq)
+    n = len(seq) - len(cached) * bm.block_size
+    assert bm.can_allocate(seq, n, cached)
+    bm.allocate(seq, n, cached)
+    seq.num_computed_tokens += n
+    bm.commit(seq)
+    return cached
+
+
+def take_one(bm: BlockManager, token: int) -> Sequence:
+    """A one-token sequence: takes exactly one block off the head of the free list."""
+    seq = make_seq([token])
+    bm.allocate(seq, 1)
+    return seq
+
+
+def check_consistent(bm: BlockManager, live: list[Sequence]) -> None:
+    refs = [0] * bm.num_blocks
+    for seq in live:
+        for block_id in seq.block_table:
+            refs[block_id] += 1
+    assert [b.ref_count for b in bm.blocks] == refs
+    assert set(bm.free) == {i for i, r in enumerate(refs) if r == 0}
+
+
+A = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]  # two full blocks and a partial one
+
+
+@pytest.mark.parametrize(("tokens", "blocks"), [(0, 0), (1, 1), (3, 1), (4, 1), (5, 2), (8, 2), (9, 3)])
+def test_blocks_needed(tokens: int, blocks: int) -> None:
+    assert BlockManager(4, BS).blocks_needed(tokens) == blocks
+
+
+def test_allocate_free_restores_free_count_and_ref_counts() -> None:
+    bm = BlockManager(10, BS)
+    seq = make_seq(A)
+    bm.allocate(seq, len(seq))
+    assert len(seq.block_table) == 3 and len(set(seq.block_table)) == 3
+    assert bm.num_free_blocks == 7
+    assert all(bm.blocks[b].ref_count == 1 for b in seq.block_table)
+    check_consistent(bm, [seq])
+
+    # decode: tokens 11 and 12 fit in the partial block, token 13 needs a new one
+    seq.num_computed_tokens = len(seq)
+    bm.allocate(seq, 2)
+    assert len(seq.block_table) == 3
+    bm.allocate(seq, 3)
+    assert len(seq.block_table) == 4 and bm.num_free_blocks == 6
+    check_consistent(bm, [seq])
+
+    bm.free_seq(seq)
+    assert seq.block_table == []
+    assert bm.num_free_blocks == 10
+    assert all(b.ref_count == 0 for b in bm.blocks)
+    check_consistent(bm, [])
+
+
+def test_allocate_without_room_raises_and_changes_nothing() -> None:
+    bm = BlockManager(2, BS)
+    seq = make_seq(list(range(9)))
+    assert not bm.can_allocate(seq, 9)
+    assert bm.can_allocate(seq, 8)
+    with pytest.raises(RuntimeError):
+        bm.allocate(seq, 9)
+    assert bm.num_free_blocks == 2 and seq.block_table == []
+
+
+def test_prefix_hit_shares_blocks_and_sets_computed() -> None:
+    bm = BlockManager(10, BS)
+    a = make_seq(A)
+    prefill(bm, a)
+    b = make_seq(A[:8] + [100, 101, 102])
+    cached = bm.find_cached_blocks(b)
+    assert cached == a.block_table[:2]
+    bm.allocate(b, len(b) - 8, cached)
+    assert b.block_table[:2] == a.block_table[:2]
+    assert b.block_table[2] != a.block_table[2]
+    assert [bm.blocks[i].ref_count for i in b.block_table] == [2, 2, 1]
+    assert b.num_computed_tokens == 8 and b.num_cached_tokens == 8
+    assert b.num_uncomputed_tokens == 3
+    assert bm.num_free_blocks == 10 - 3 - 1
+    assert bm.num_prefix_hits == 8
+    check_consistent(bm, [a, b])
+
+    bm.free_seq(a)
+    assert [bm.blocks[i].ref_count for i in b.block_table] == [1, 1, 1]
+    bm.free_seq(b)
+    assert bm.num_free_blocks == 10
+    check_consistent(bm, [])
+
+
+def test_at_least_one_token_is_left_to_compute() -> None:
+    bm = BlockManager(10, BS)
+    prefill(bm, make_seq(A[:8]))  # exactly two full blocks, both committed
+    same = make_seq(A[:8])
+    assert len(bm.find_cached_blocks(same)) == 1
+    prefill(bm, same)
+    assert same.num_cached_tokens == 4
+    longer = make_seq(A[:9])
+    assert len(bm.find_cached_blocks(longer)) == 2
+    assert bm.find_cached_blocks(make_seq(A[:4])) == []
+
+
+def test_chained_hash_needs_the_same_earlier_blocks() -> None:
+    bm = BlockManager(12, BS)
+    x, y, w, v = [1] * 4, [2] * 4, [3] * 4, [4] * 4
+    prefill(bm, make_seq(x + y + [9]))
+    c = make_seq(w + v + [9])
+    prefill(bm, c)
+    # block 0 hits (from c), block 1 has y's tokens but after w, not after x: no hit
+    assert bm.find_cached_blocks(make_seq(w + y + [7])) == c.block_table[:1]
+    assert len(bm.find_cached_blocks(make_seq(x + y + [7]))) == 2
+    assert chain_hash(chain_hash(None, None, tuple(x)), None, tuple(y)) != chain_hash(
+        chain_hash(None, None, tuple(w)), None, tuple(y)
+    )
+
+
+def test_adapters_never_share_blocks() -> None:
+    bm = BlockManager(20, BS)
+    base = make_seq(A)
+    prefill(bm, base)
+    a1 = make_seq(A, "a")
+    assert prefill(bm, a1) == []
+    b1 = make_seq(A, "b")
+    assert prefill(bm, b1) == []
+    assert not set(base.block_table) & set(a1.block_table)
+    assert not set(a1.block_table) & set(b1.block_table)
+    # same adapter, and base again, do hit their own blocks
+    assert bm.find_cached_blocks(make_seq(A, "a")) == a1.block_table[:2]
+    assert bm.find_cached_blocks(make_seq(A, "b")) == b1.block_table[:2]
+    assert bm.find_cached_blocks(make_seq(A)) == base.block_table[:2]
+    check_consistent(bm, [base, a1, b1])
+
+
+def test_freed_blocks_keep_hash_and_are_revived() -> None:
+    bm = BlockManager(10, BS)
+    a = make_seq(A)
+    prefill(bm, a)
+    head = a.block_table[:2]
+    bm.free_seq(a)
+    assert bm.num_free_blocks == 10
+    assert all(bm.blocks[i].ref_count == 0 and bm.blocks[i].block_hash is not None for i in head)
+
+    b = make_seq(A)
+    assert prefill(bm, b) == head
+    assert all(bm.blocks[i].ref_count == 1 and i not in bm.free for i in head)
+    assert bm.num_free_blocks == 7
+    check_consistent(bm, [b])
+
+
+def test_eviction_least_recently_freed_and_tail_first() -> None:
+    bm = BlockManager(6, BS)
+    a, b = make_seq(A), make_seq([t + 50 for t in A])
+    prefill(bm, a)
+    prefill(bm, b)
+    a_head, b_head = a.block_table[:2], b.block_table[:2]
+    assert bm.num_free_blocks == 0
+    bm.free_seq(a)
+    bm.free_seq(b)
+
+    def hits(seq_tokens: list[int]) -> int:
+        return len(bm.find_cached_blocks(make_seq(seq_tokens)))
+
+    takers = [take_one(bm, 1000)]  # a's partial tail block: no prefix lost
+    assert (hits(A), hits([t + 50 for t in A])) == (2, 2)
+    takers.append(take_one(bm, 1001))  # a's second block goes before its first
+    assert takers[-1].block_table == [a_head[1]]
+    assert bm.blocks[a_head[1]].block_hash is None
+    assert bm.find_cached_blocks(make_seq(A)) == a_head[:1]
+    takers.append(take_one(bm, 1002))
+    assert (hits(A), hits([t + 50 for t in A])) == (0, 2)
+    takers.append(take_one(bm, 1003))  # only now b, freed later, starts to go
+    assert takers[-1].block_table[0] not in b_head
+    assert hits([t + 50 for t in A]) == 2
+    takers.append(take_one(bm, 1004))
+    assert bm.find_cached_blocks(make_seq([t + 50 for t in A])) == b_head[:1]
+    check_consistent(bm, takers)
+
+
+def test_revived_then_freed_blocks_become_most_recently_freed() -> None:
+    bm = BlockManager(6, BS)
+    b_tokens = [t + 50 for t in A]
+    a, b = make_seq(A), make_seq(b_tokens)
+    prefill(bm, a)
+    prefill(bm, b)
+    bm.free_seq(a)
+    bm.free_seq(b)
+    again = make_seq(A[:8] + [77])
+    assert len(prefill(bm, again)) == 2
+    bm.free_seq(again)
+    takers = [take_one(bm, 1000 + i) for i in range(3)]  # b's three blocks, freed before `again`
+    assert len(bm.find_cached_blocks(make_seq(A))) == 2
+    assert bm.find_cached_blocks(make_seq(b_tokens)) == []
+    check_consistent(bm, takers)
+
+
+def test_can_allocate_counts_revived_blocks_from_the_free_list() -> None:
+    bm = BlockManager(4, BS)
+    a = make_seq(A[:9])
+    prefill(bm, a)
+    bm.free_seq(a)
+    other = take_one(bm, 1000)  # takes the one block a never used
+    assert other.block_table[0] not in a.block_table
+    assert bm.num_free_blocks == 3
+
+    big = make_seq(A[:8] + [20, 21, 22, 23, 24])  # 2 revived + 2 new = 4 > 3 free
+    cached = bm.find_cached_blocks(big)
+    assert len(cached) == 2
+    assert not bm.can_allocate(big, len(big) - 8, cached)
+
+    small = make_seq(A[:8] + [20])  # 2 revived + 1 new = 3
+    cached = bm.find_cached_blocks(small)
+    assert bm.can_allocate(small, 1, cached)
+    bm.allocate(small, 1, cached)
+    assert bm.num_free_blocks == 0
+    check_consistent(bm, [other, small])
+
+
+def test_can_allocate_shared_live_blocks_cost_nothing() -> None:
+    bm = BlockManager(4, BS)
+    a = make_seq(A[:9])
+    prefill(bm, a)  # 3 blocks held, 1 free
+    b = make_seq(A[:8] + [30, 31, 32, 33])  # 2 shared (live) + 1 new
+    cached = bm.find_cached_blocks(b)
+    assert bm.can_allocate(b, 4, cached)
+    assert not bm.can_allocate(b, 5, cached)
+
+
+def test_commit_registers_only_computed_full_blocks() -> None:
+    bm = BlockManager(10, BS)
+    seq = make_seq(A)
+    bm.allocate(seq, len(seq))
+    probe = make_seq(A + [0])
+    seq.num_computed_tokens = 3
+    bm.commit(seq)
+    assert bm.find_cached_blocks(probe) == []
+    assert all(bm.blocks[i].block_hash is None for i in seq.block_table)
+    seq.num_computed_tokens = 6
+    bm.commit(seq)
+    assert bm.find_cached_blocks(probe) == seq.block_table[:1]
+    assert bm.blocks[seq.block_table[1]].block_hash is None
+    seq.num_computed_tokens = 10
+    bm.commit(seq)
+    assert bm.find_cached_blocks(probe) == seq.block_table[:2]
+    assert bm.blocks[seq.block_table[2]].block_hash is None  # partial block never registered
+
+
+def test_prefix_caching_disabled_finds_nothing() -> None:
+    bm = BlockManager(10, BS, enable_prefix_caching=False)
+    prefill(bm, make_seq(A))
+    assert bm.find_cached_blocks(make_seq(A)) == []
+    assert all(b.block_hash is None for b in bm.blocks)
