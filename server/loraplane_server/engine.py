@@ -97,6 +97,7 @@ class LLMEngine:
         self._aborted: list[RequestOutput] = []
         self._counter = itertools.count()
         self.num_steps = 0
+        self.last_step_tokens = 0
 
     # requests
     def add_request(
@@ -165,7 +166,10 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         outputs += self._load_slots(plan.slot_loads)
         scheduled = [(s, n) for s, n in plan.scheduled if not s.is_finished]
+        self.last_step_tokens = sum(n for _, n in scheduled)
         if not scheduled:
+            if not outputs and self.scheduler.num_waiting:
+                self.adapters.wait_for_completion(0.01)  # only adapter loads can unblock the queue
             return outputs
         samplers, tokens, logprobs = self.runner.run(scheduled)
         self.num_steps += 1
@@ -227,13 +231,13 @@ class LLMEngine:
         """Apply finished background loads: fail the waiting requests of adapters that failed."""
         outputs = []
         for adapter_id, error in self.adapters.drain_completions():
-            if error is None:
-                continue
+            if error is None or self.adapters.is_loading(adapter_id):
+                continue  # fine, or superseded by a retry that is in flight
             self._device_prewarm.discard(adapter_id)
             for seq in self.scheduler.take_waiting(adapter_id):
                 outputs.append(self._fail(seq, f"adapter {adapter_id!r} failed to load: {error}"))
         for adapter_id in [k for k in self.scheduler.rr if k is not None]:
-            if not self.adapters.is_ready(adapter_id) and not self.adapters.is_loading(adapter_id):
+            if self.adapters.was_evicted(adapter_id):
                 self.adapters.request(adapter_id)  # evicted from host while its requests waited
         for adapter_id in list(self._device_prewarm):
             if self.adapters.is_ready(adapter_id) and self.slots.can_acquire(adapter_id):

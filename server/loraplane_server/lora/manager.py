@@ -8,6 +8,7 @@ Thread-safe: the HTTP admin routes and the engine thread both call in.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import queue
 import threading
@@ -84,6 +85,7 @@ class AdapterManager:
         self.host_bytes = 0
         self.stats = AdapterStats()
         self.completions: queue.Queue[tuple[str, str | None]] = queue.Queue()
+        self._completed = threading.Event()
         self._lock = threading.RLock()
         self._pool = ThreadPoolExecutor(max_workers=num_workers, thread_name_prefix="adapter-load")
         if adapter_dir is not None:
@@ -109,7 +111,8 @@ class AdapterManager:
                 self._forget_host(adapter_id)
                 self.disk.remove(adapter_id)
             if old is None or old.source.uri != parsed.uri:
-                self.records[adapter_id] = AdapterRecord(adapter_id, parsed)
+                on_disk = parsed.kind == "local" or self.disk.get(adapter_id) is not None
+                self.records[adapter_id] = AdapterRecord(adapter_id, parsed, on_disk=on_disk)
             return self.records[adapter_id]
 
     def lookup(self, adapter_id: str) -> AdapterRecord | None:
@@ -147,6 +150,12 @@ class AdapterManager:
             rec = self.records.get(adapter_id)
             return rec is not None and rec.state == AdapterState.LOADING
 
+    def was_evicted(self, adapter_id: str) -> bool:
+        """Loaded once, then dropped from host memory: its waiting requests need a reload."""
+        with self._lock:
+            rec = self.records.get(adapter_id)
+            return rec is not None and rec.state == AdapterState.READY and adapter_id not in self.host
+
     def _start_load(self, rec: AdapterRecord, tier: str = "host") -> None:
         if rec.state == AdapterState.LOADING:
             return
@@ -174,7 +183,8 @@ class AdapterManager:
                 if not error:
                     rec.loads += 1
                     self.stats.load_seconds.append(rec.load_seconds)
-        self.completions.put((adapter_id, error))
+            self.completions.put((adapter_id, error))
+            self._completed.set()
 
     def _materialise(self, adapter_id: str) -> Path:
         """The adapter's files on local disk: a local source as is, others through the disk cache."""
@@ -195,6 +205,8 @@ class AdapterManager:
             fetch(rec.source, dest)
 
         path = self.disk.put(adapter_id, fill)
+        if rec.pinned:
+            self.disk.pin(adapter_id)
         self.stats.loads["disk"] += 1
         rec.on_disk = True
         return path
@@ -232,6 +244,12 @@ class AdapterManager:
         self._put_host(adapter_id, w)
         return w
 
+    def wait_for_completion(self, timeout: float) -> bool:
+        """Block until some load finishes (or timeout); for a stepping loop with nothing to run."""
+        hit = self._completed.wait(timeout)
+        self._completed.clear()
+        return hit
+
     def drain_completions(self) -> list[tuple[str, str | None]]:
         done = []
         while True:
@@ -255,8 +273,11 @@ class AdapterManager:
 
     def set_pinned(self, adapter_id: str, pinned: bool) -> None:
         with self._lock:
-            self.records[adapter_id].pinned = pinned
-            self.disk.pin(adapter_id) if pinned else self.disk.unpin(adapter_id)
+            rec = self.records[adapter_id]
+            if rec.pinned != pinned and rec.source.kind != "local":
+                with contextlib.suppress(KeyError):  # not fetched yet: pinned once it is
+                    self.disk.pin(adapter_id) if pinned else self.disk.unpin(adapter_id)
+            rec.pinned = pinned
 
     def unregister(self, adapter_id: str) -> bool:
         with self._lock:

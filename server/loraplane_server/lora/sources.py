@@ -1,0 +1,527 @@
+"""Adapter sources: parse a URI, check it against an allowlist, fetch the PEFT files into a directory.
+
+Kinds: a local directory (or file://), hf://org/repo[@revision][/subfolder] (huggingface_hub, offline from
+its cache when HF_HUB_OFFLINE is set), s3://bucket/prefix (boto3, honours AWS_ENDPOINT_URL) and
+http(s)://... archives (.tar.gz, .tgz, .tar, .zip), unpacked with strict checks. Only safetensors
+weights are ever fetched; a source with only pickle weights (adapter_model.bin) is refused.
+"""
+
+from __future__ import annotations
+
+import gzip
+import os
+import posixpath
+import re
+import shutil
+import stat
+import tarfile
+import urllib.error
+import urllib.request
+import zipfile
+import zlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any, Protocol
+from urllib.parse import unquote, urlsplit
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+PICKLE_FILE = "adapter_model.bin"
+README_FILE = "README.md"
+REQUIRED_FILES = (CONFIG_FILE, WEIGHTS_FILE)
+ADAPTER_FILES = (CONFIG_FILE, WEIGHTS_FILE, README_FILE)
+ARCHIVE_SUFFIXES = (".tar.gz", ".tgz", ".tar", ".zip")
+MAX_ARCHIVE_MEMBERS = 10_000
+_TAR_OVERHEAD = 2048  # bytes of headers and padding allowed per tar member, beyond the file data
+_CHUNK = 1 << 20
+
+_HF_REPO = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
+_S3_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+_TRUE = {"1", "on", "yes", "true"}
+
+
+class AdapterSourceError(Exception):
+    """An adapter source that cannot be used; the message says what to fix."""
+
+
+@dataclass(frozen=True)
+class AdapterSource:
+    """A parsed, validated adapter URI; `uri` is its canonical form (for allowlists and cache keys)."""
+
+    kind: str  # "local" | "hf" | "s3" | "http"
+    uri: str
+    path: Path | None = None  # local: absolute, symlinks kept
+    repo_id: str | None = None  # hf: org/repo
+    revision: str | None = None  # hf: None for the default branch
+    subfolder: str = ""  # hf
+    bucket: str | None = None  # s3
+    prefix: str = ""  # s3: no leading or trailing "/"
+    url: str | None = None  # http and https
+
+
+# parse
+
+
+def parse_source(uri: str) -> AdapterSource:
+    """Parse a local path, file://, hf://, s3:// or http(s):// archive URI; AdapterSourceError if invalid."""
+    uri = uri.strip()
+    if not uri:
+        raise AdapterSourceError("empty adapter source")
+    scheme = uri.split("://", 1)[0].lower() if "://" in uri else ""
+    if scheme in ("", "file"):
+        return _parse_local(uri)
+    if scheme == "hf":
+        return _parse_hf(uri[len("hf://") :])
+    if scheme == "s3":
+        return _parse_s3(uri[len("s3://") :])
+    if scheme in ("http", "https"):
+        return _parse_http(uri)
+    raise AdapterSourceError(
+        f"unsupported adapter source scheme {scheme!r} in {uri!r}; use a local path, file://, hf://org/repo, "
+        "s3://bucket/prefix or an http(s):// .tar.gz/.tgz/.tar/.zip archive"
+    )
+
+
+def _parse_local(uri: str) -> AdapterSource:
+    if uri.lower().startswith("file://"):
+        parts = urlsplit(uri)
+        if parts.netloc not in ("", "localhost"):
+            raise AdapterSourceError(f"file:// URI {uri!r} names a remote host; use file:///absolute/path")
+        uri = unquote(parts.path)
+    path = Path(uri).expanduser().absolute()
+    return AdapterSource(kind="local", uri=str(path), path=path)
+
+
+def _check_segments(text: str, what: str) -> None:
+    if "\\" in text or any(seg in (".", "..") for seg in text.split("/")):
+        raise AdapterSourceError(f"{what} {text!r} must not hold '.' or '..' segments or backslashes")
+
+
+def _parse_hf(rest: str) -> AdapterSource:
+    parts = rest.strip("/").split("/")
+    if len(parts) < 2:
+        raise AdapterSourceError(f"hf:// sources look like hf://org/repo[@revision][/subfolder], not hf://{rest}")
+    name, at, revision = parts[1].partition("@")
+    repo_id, subfolder = f"{parts[0]}/{name}", "/".join(p for p in parts[2:] if p)
+    if not _HF_REPO.match(repo_id):
+        raise AdapterSourceError(f"invalid Hugging Face repo id {repo_id!r} in hf://{rest}")
+    if at and not revision:
+        raise AdapterSourceError(f"empty revision after '@' in hf://{rest}")
+    if subfolder:
+        _check_segments(subfolder, "subfolder")
+    uri = f"hf://{repo_id}" + (f"@{revision}" if revision else "") + (f"/{subfolder}" if subfolder else "")
+    return AdapterSource(kind="hf", uri=uri, repo_id=repo_id, revision=revision or None, subfolder=subfolder)
+
+
+def _parse_s3(rest: str) -> AdapterSource:
+    bucket, _, prefix = rest.partition("/")
+    prefix = prefix.strip("/")
+    if not _S3_BUCKET.match(bucket):
+        raise AdapterSourceError(f"invalid S3 bucket name {bucket!r} in s3://{rest}")
+    if prefix:
+        _check_segments(prefix, "S3 prefix")
+    uri = f"s3://{bucket}/{prefix}" if prefix else f"s3://{bucket}"
+    return AdapterSource(kind="s3", uri=uri, bucket=bucket, prefix=prefix)
+
+
+def _parse_http(uri: str) -> AdapterSource:
+    parts = urlsplit(uri)
+    try:
+        port = parts.port
+    except ValueError as exc:
+        raise AdapterSourceError(f"URL {uri!r} has an invalid port") from exc
+    if not parts.hostname:
+        raise AdapterSourceError(f"URL {uri!r} has no host")
+    if parts.username is not None or parts.password is not None:
+        raise AdapterSourceError(f"URL {uri!r} embeds credentials; serve the archive without them in the URL")
+    _check_segments(unquote(parts.path), "URL path")
+    if not _archive_suffix(parts.path):
+        raise AdapterSourceError(f"URL {uri!r} must name an archive ending in {', '.join(ARCHIVE_SUFFIXES)}")
+    netloc = parts.hostname.lower() + (f":{port}" if port else "")
+    canonical = f"{parts.scheme.lower()}://{netloc}{parts.path}" + (f"?{parts.query}" if parts.query else "")
+    return AdapterSource(kind="http", uri=canonical, url=canonical)
+
+
+def _archive_suffix(path: str) -> str | None:
+    lower = path.lower()
+    return next((s for s in ARCHIVE_SUFFIXES if lower.endswith(s)), None)
+
+
+# allowlist
+
+
+def is_allowed(source: AdapterSource, allow: list[str]) -> bool:
+    """Whether an allowlist entry admits the source; an empty list admits nothing.
+
+    Entries are URI prefixes ("hf://", "hf://org/", "s3://bucket/", "https://host/"), matched on whole
+    segments ("s3://bucket" does not admit "s3://bucket-2/x"), or local directories: a local source is
+    admitted when its real path (symlinks resolved), and that of each adapter file in it, lies inside.
+    """
+    return any(_entry_admits(entry.strip(), source) for entry in allow if entry.strip())
+
+
+def _entry_admits(entry: str, source: AdapterSource) -> bool:
+    if "://" not in entry or entry.lower().startswith("file://"):
+        return source.kind == "local" and _local_inside(source, _parse_local(entry).path)
+    scheme, _, rest = entry.partition("://")
+    entry = f"{scheme.lower()}://{rest}"
+    if source.kind == "local" or not source.uri.startswith(entry):
+        return False
+    if entry.endswith("/") or len(entry) == len(source.uri):
+        return True
+    return source.uri[len(entry)] in ("/@?" if source.kind == "hf" else "/?")
+
+
+def _local_inside(source: AdapterSource, root: Path | None) -> bool:
+    assert source.path is not None and root is not None
+    real_root = Path(os.path.realpath(root))
+    paths = [source.path] + [source.path / name for name in (*ADAPTER_FILES, PICKLE_FILE)]
+    return all(
+        Path(os.path.realpath(p)).is_relative_to(real_root) for p in paths if p == source.path or os.path.lexists(p)
+    )
+
+
+# fetch
+
+
+def fetch(source: AdapterSource, dest: Path, max_bytes: int = 2 << 30, timeout_s: float = 60) -> Path:
+    """Materialise the adapter files into dest (created if missing, must be empty) and return dest.
+
+    Writes only adapter_config.json, adapter_model.safetensors and README.md (if present), at most
+    max_bytes in all. On failure dest is left empty and AdapterSourceError says why.
+    """
+    dest.mkdir(parents=True, exist_ok=True)
+    if any(dest.iterdir()):
+        raise AdapterSourceError(f"fetch destination {dest} is not empty")
+    fetchers = {"local": _fetch_local, "hf": _fetch_hf, "s3": _fetch_s3, "http": _fetch_http}
+    try:
+        fetchers[source.kind](source, dest, max_bytes, timeout_s)
+        _require_files({p.name for p in dest.iterdir()}, source.uri)
+    except BaseException:
+        _empty_dir(dest)
+        raise
+    return dest
+
+
+def _empty_dir(path: Path) -> None:
+    for child in path.iterdir():
+        if child.is_dir() and not child.is_symlink():
+            shutil.rmtree(child, ignore_errors=True)
+        else:
+            child.unlink(missing_ok=True)
+
+
+def _require_files(names: set[str], where: str) -> None:
+    if CONFIG_FILE not in names:
+        raise AdapterSourceError(f"{where} has no {CONFIG_FILE} (expected a PEFT LoRA adapter)")
+    if WEIGHTS_FILE not in names and PICKLE_FILE in names:
+        raise AdapterSourceError(
+            f"{where} has only pickle weights ({PICKLE_FILE}), which are never loaded; save the adapter "
+            f"as {WEIGHTS_FILE} instead (PeftModel.save_pretrained(..., safe_serialization=True))"
+        )
+    if WEIGHTS_FILE not in names:
+        raise AdapterSourceError(f"{where} has no {WEIGHTS_FILE}")
+
+
+def _check_total(sizes: list[int], max_bytes: int, where: str) -> None:
+    if sum(sizes) > max_bytes:
+        raise AdapterSourceError(f"{where} holds {sum(sizes)} bytes of adapter files, over the {max_bytes} allowed")
+
+
+class _Readable(Protocol):
+    def read(self, size: int = -1, /) -> bytes: ...
+
+
+def _copy_stream(src: _Readable, dst: Path, budget: int, where: str) -> int:
+    """Copy src into the new file dst, refusing more than budget bytes; return the bytes written."""
+    written = 0
+    with open(dst, "xb") as out:
+        while chunk := src.read(_CHUNK):
+            written += len(chunk)
+            if written > budget:
+                raise AdapterSourceError(f"{where} is larger than the {budget} bytes allowed")
+            out.write(chunk)
+    return written
+
+
+def _copy_local_tree(src: Path, dest: Path, max_bytes: int, where: str) -> None:
+    present = [n for n in ADAPTER_FILES if (src / n).is_file()]
+    _require_files(set(present) | ({PICKLE_FILE} if (src / PICKLE_FILE).exists() else set()), where)
+    _check_total([(src / n).stat().st_size for n in present], max_bytes, where)
+    for name in present:
+        shutil.copyfile(src / name, dest / name)
+
+
+# local
+
+
+def _fetch_local(source: AdapterSource, dest: Path, max_bytes: int, timeout_s: float) -> None:
+    assert source.path is not None
+    if not source.path.is_dir():
+        raise AdapterSourceError(f"adapter directory {source.path} does not exist or is not a directory")
+    _copy_local_tree(source.path, dest, max_bytes, source.uri)
+
+
+# hf
+
+
+def _hf_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in _TRUE
+
+
+def _fetch_hf(source: AdapterSource, dest: Path, max_bytes: int, timeout_s: float) -> None:
+    from huggingface_hub import snapshot_download
+
+    assert source.repo_id is not None
+    offline, sub = _hf_offline(), f"{source.subfolder}/" if source.subfolder else ""
+    try:
+        snapshot = snapshot_download(
+            source.repo_id,
+            revision=source.revision,
+            allow_patterns=[sub + n for n in ADAPTER_FILES],
+            cache_dir=os.environ.get("HF_HUB_CACHE") or None,  # read now, not at huggingface_hub's import
+            local_files_only=offline,
+            etag_timeout=timeout_s,
+        )
+    except Exception as exc:
+        hint = (
+            "HF_HUB_OFFLINE is set, so the adapter must already be in the local Hugging Face cache "
+            "(download it once online, or point HF_HUB_CACHE at a cache that holds it)"
+            if offline
+            else "check the repo id, the revision, network access, and HF_TOKEN for private or gated repos"
+        )
+        raise AdapterSourceError(f"cannot fetch {source.uri}: {type(exc).__name__}: {exc}; {hint}") from exc
+    _copy_local_tree(Path(str(snapshot)) / source.subfolder, dest, max_bytes, source.uri)
+
+
+# s3
+
+
+def _s3_client(timeout_s: float) -> Any:
+    try:
+        import boto3
+        from botocore.config import Config
+    except ImportError as exc:
+        raise AdapterSourceError("s3:// adapter sources need boto3: pip install 'loraplane[s3]'") from exc
+    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
+    config = Config(connect_timeout=timeout_s, read_timeout=timeout_s, retries={"max_attempts": 3})
+    return boto3.client("s3", endpoint_url=endpoint, config=config)
+
+
+def _fetch_s3(source: AdapterSource, dest: Path, max_bytes: int, timeout_s: float) -> None:
+    client = _s3_client(timeout_s)
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    try:
+        _download_s3(client, source, dest, max_bytes)
+    except ClientError as exc:
+        code = exc.response.get("Error", {}).get("Code", "")
+        raise AdapterSourceError(f"cannot fetch {source.uri}: S3 error {code}: {exc}") from exc
+    except BotoCoreError as exc:
+        raise AdapterSourceError(
+            f"cannot fetch {source.uri}: {exc}; check AWS credentials, and AWS_ENDPOINT_URL for S3-compatible stores"
+        ) from exc
+
+
+def _s3_size(client: Any, bucket: str, key: str) -> int | None:
+    """The object's size, or None if there is no such object."""
+    from botocore.exceptions import ClientError
+
+    try:
+        return int(client.head_object(Bucket=bucket, Key=key)["ContentLength"])
+    except ClientError as exc:
+        if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+            return None
+        raise
+
+
+def _check_bucket(client: Any, bucket: str) -> None:
+    """Say so if the bucket does not exist (a HEAD on a missing bucket's object reads as a missing object)."""
+    from botocore.exceptions import ClientError
+
+    try:
+        client.head_bucket(Bucket=bucket)
+    except ClientError as exc:
+        if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchBucket", "NotFound"):
+            raise AdapterSourceError(f"S3 bucket {bucket!r} does not exist at this endpoint") from exc
+
+
+def _download_s3(client: Any, source: AdapterSource, dest: Path, max_bytes: int) -> None:
+    assert source.bucket is not None
+    key_of = {n: f"{source.prefix}/{n}" if source.prefix else n for n in (*ADAPTER_FILES, PICKLE_FILE)}
+    sizes = {n: s for n in ADAPTER_FILES if (s := _s3_size(client, source.bucket, key_of[n])) is not None}
+    has_pickle = WEIGHTS_FILE not in sizes and _s3_size(client, source.bucket, key_of[PICKLE_FILE]) is not None
+    if CONFIG_FILE not in sizes:
+        _check_bucket(client, source.bucket)
+    _require_files(set(sizes) | ({PICKLE_FILE} if has_pickle else set()), source.uri)
+    _check_total(list(sizes.values()), max_bytes, source.uri)
+    budget = max_bytes
+    for name in sizes:
+        with client.get_object(Bucket=source.bucket, Key=key_of[name])["Body"] as body:
+            budget -= _copy_stream(body, dest / name, budget, source.uri)
+
+
+# http
+
+
+def _fetch_http(source: AdapterSource, dest: Path, max_bytes: int, timeout_s: float) -> None:
+    assert source.url is not None
+    archive = dest / f".download{_archive_suffix(urlsplit(source.url).path)}"
+    try:
+        _download(source.url, archive, max_bytes, timeout_s)
+        _extract_adapter(archive, dest, max_bytes, source.uri)
+    finally:
+        for leftover in dest.glob(".download*"):
+            leftover.unlink()
+
+
+class _SafeRedirect(urllib.request.HTTPRedirectHandler):
+    """Follows redirects to http(s) only, and never from https down to http."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):  # noqa: ANN001, ANN202
+        old, new = urlsplit(req.full_url).scheme, urlsplit(newurl).scheme
+        if new not in ("http", "https") or (old == "https" and new != "https"):
+            raise AdapterSourceError(f"refusing the redirect from {req.full_url} to {newurl}")
+        return super().redirect_request(req, fp, code, msg, headers, newurl)
+
+
+def _download(url: str, dest: Path, max_bytes: int, timeout_s: float) -> None:
+    opener = urllib.request.build_opener(_SafeRedirect())
+    request = urllib.request.Request(url, headers={"User-Agent": "loraplane"})
+    try:
+        with opener.open(request, timeout=timeout_s) as resp:
+            length = resp.headers.get("Content-Length", "")
+            if length.isdigit() and int(length) > max_bytes:
+                raise AdapterSourceError(f"{url} is {length} bytes, more than the {max_bytes} allowed")
+            _copy_stream(resp, dest, max_bytes, url)
+    except urllib.error.HTTPError as exc:
+        raise AdapterSourceError(f"cannot download {url}: HTTP {exc.code} {exc.reason}") from exc
+    except (urllib.error.URLError, TimeoutError, OSError) as exc:
+        raise AdapterSourceError(f"cannot download {url}: {exc}") from exc
+
+
+# archives
+
+
+@dataclass(frozen=True)
+class _Member:
+    name: str  # normalised, relative
+    size: int
+    is_dir: bool
+    ref: tarfile.TarInfo | zipfile.ZipInfo
+
+
+def _extract_adapter(archive: Path, dest: Path, max_bytes: int, where: str) -> None:
+    """Check every member of the archive, then write only the adapter files into dest."""
+    try:
+        if archive.name.endswith(".zip"):
+            with zipfile.ZipFile(archive) as zf:
+                files = _checked_members(_zip_members(zf, where), max_bytes, where)
+                _write_files(files, zf.open, dest, max_bytes, where)  # type: ignore[arg-type]
+        else:
+            if not archive.name.endswith(".tar"):
+                archive = _gunzip(archive, max_bytes, where)
+            with tarfile.open(archive, "r:") as tf:  # plain tar only: no decompression without a cap
+                files = _checked_members(_tar_members(tf, where), max_bytes, where)
+                _write_files(files, tf.extractfile, dest, max_bytes, where)  # type: ignore[arg-type]
+    except (tarfile.TarError, zipfile.BadZipFile, zlib.error, EOFError, OSError, ValueError) as exc:
+        raise AdapterSourceError(f"{where}: cannot unpack the archive ({type(exc).__name__}: {exc})") from exc
+
+
+def _gunzip(archive: Path, max_bytes: int, where: str) -> Path:
+    """Unpack a .tar.gz to a plain .tar beside it, capped so that neither data nor tar headers can blow up."""
+    plain = archive.with_name(".download.tar")
+    cap = max_bytes + _TAR_OVERHEAD * (MAX_ARCHIVE_MEMBERS + 2)
+    try:
+        with gzip.open(archive, "rb") as gz:
+            _copy_stream(gz, plain, cap, f"{where} (unpacked)")
+    except BaseException:
+        plain.unlink(missing_ok=True)
+        raise
+    finally:
+        archive.unlink()
+    return plain
+
+
+def _safe_name(raw: str, where: str) -> str:
+    name = raw.replace("\\", "/")
+    if name.startswith("/") or re.match(r"^[A-Za-z]:", name):
+        raise AdapterSourceError(f"{where}: archive member {raw!r} has an absolute path")
+    parts = [p for p in name.split("/") if p not in ("", ".")]
+    if ".." in parts:
+        raise AdapterSourceError(f"{where}: archive member {raw!r} has a '..' path component")
+    return "/".join(parts)
+
+
+def _refuse_type(raw: str, is_link: bool, where: str) -> None:
+    what = "link" if is_link else "special file"
+    raise AdapterSourceError(
+        f"{where}: archive member {raw!r} is a {what}; only plain files and directories are allowed"
+    )
+
+
+def _tar_members(tf: tarfile.TarFile, where: str) -> Iterator[_Member]:
+    for info in tf:
+        if not (info.isreg() or info.isdir()):
+            _refuse_type(info.name, info.issym() or info.islnk(), where)
+        yield _Member(_safe_name(info.name, where), info.size, info.isdir(), info)
+
+
+def _zip_members(zf: zipfile.ZipFile, where: str) -> Iterator[_Member]:
+    for info in zf.infolist():
+        kind = stat.S_IFMT(info.external_attr >> 16)  # 0 when the writer recorded no file type
+        if info.create_system == 3 and kind not in (0, stat.S_IFREG, stat.S_IFDIR):
+            _refuse_type(info.filename, kind == stat.S_IFLNK, where)
+        if info.flag_bits & 0x1:
+            raise AdapterSourceError(f"{where}: archive member {info.filename!r} is encrypted")
+        yield _Member(_safe_name(info.filename, where), info.file_size, info.is_dir(), info)
+
+
+def _checked_members(members: Iterator[_Member], max_bytes: int, where: str) -> dict[str, _Member]:
+    """Check every member (count, total size, names, types); return the plain files by name."""
+    files: dict[str, _Member] = {}
+    total = 0
+    for count, member in enumerate(members, start=1):
+        if count > MAX_ARCHIVE_MEMBERS:
+            raise AdapterSourceError(f"{where}: archive has more than {MAX_ARCHIVE_MEMBERS} members")
+        total += member.size
+        if total > max_bytes:
+            raise AdapterSourceError(f"{where}: archive unpacks to more than the {max_bytes} bytes allowed")
+        if member.is_dir or not member.name:
+            continue
+        if member.name in files:
+            raise AdapterSourceError(f"{where}: archive holds {member.name!r} more than once")
+        files[member.name] = member
+    return files
+
+
+def _adapter_base(names: set[str], where: str) -> str:
+    """The folder inside the archive that holds the adapter: the root, or its single top-level directory."""
+    if CONFIG_FILE in names:
+        return ""
+    visible = {n for n in names if not n.startswith("__MACOSX/") and not posixpath.basename(n).startswith("._")}
+    tops = {n.split("/", 1)[0] for n in visible}
+    if len(tops) == 1 and all("/" in n for n in visible):
+        return f"{tops.pop()}/"
+    shown = ", ".join(sorted(names)[:8]) or "nothing"
+    raise AdapterSourceError(
+        f"{where}: expected {CONFIG_FILE} at the archive root or in one top-level directory; found {shown}"
+    )
+
+
+def _write_files(
+    files: dict[str, _Member],
+    open_member: Callable[[tarfile.TarInfo | zipfile.ZipInfo], IO[bytes]],
+    dest: Path,
+    max_bytes: int,
+    where: str,
+) -> None:
+    base = _adapter_base(set(files), where)
+    inside = {n[len(base) :] for n in files if n.startswith(base) and "/" not in n[len(base) :]}
+    _require_files(inside, where)
+    budget = max_bytes
+    for name in ADAPTER_FILES:
+        if name in inside:
+            with open_member(files[base + name].ref) as src:
+                budget -= _copy_stream(src, dest / name, budget, where)

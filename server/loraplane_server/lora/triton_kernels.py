@@ -1,0 +1,240 @@
+"""SGMV LoRA kernels: one launch per matmul for every segment of tokens, whatever its adapter.
+
+A segment is a contiguous run of token rows sharing one device slot (a prefill chunk, or one decode
+token). Each program loads its segment's slot and that slot's true rank and masks the rank axis with
+it, so adapters of different ranks, zero-padded to one max rank R, share a launch.
+
+    shrink: out[rows, :]                 = x[rows] @ A[slot, :rank].T   (fp32, columns >= rank are 0)
+    expand: y[rows, off:off+OUT]        += h[rows, :rank] @ B[slot, :, :rank].T
+
+Runs on CUDA, or on CPU tensors under TRITON_INTERPRET=1 (set before triton is first imported).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+
+    _HAS_TRITON = True
+except ImportError:  # CPU-only installs use the torch path; triton_available() says so
+    _HAS_TRITON = False
+
+_BLOCK_T = 16  # token rows per program; tl.dot needs >= 16 on every dim
+_BLOCK_R = 64  # max shrink output columns (rank axis) per program
+_BLOCK_IN = 64  # shrink reduction tile over IN
+_BLOCK_OUT = 64  # expand output columns per program
+_BLOCK_K = 16  # expand reduction tile over the rank axis
+
+
+def triton_available() -> bool:
+    """True if triton imports and can run here: a CUDA device, or the interpreter (TRITON_INTERPRET=1)."""
+    return _HAS_TRITON and (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")
+
+
+def _jit(fn: Callable[..., None]) -> Any:
+    # a no-op without triton, so the module (and triton_available) still imports
+    return triton.jit(fn) if _HAS_TRITON else fn
+
+
+# kernels
+
+
+@_jit
+def _shrink_kernel(
+    x_ptr: tl.tensor,  # [T, IN]
+    a_ptr: tl.tensor,  # [S, R, IN]
+    out_ptr: tl.tensor,  # [T, R] fp32
+    starts_ptr: tl.tensor,  # [G]
+    lens_ptr: tl.tensor,  # [G]
+    slots_ptr: tl.tensor,  # [G]
+    ranks_ptr: tl.tensor,  # [S]
+    num_in: int,
+    num_r: int,
+    stride_xt: int,
+    stride_xk: int,
+    stride_as: int,
+    stride_ar: int,
+    stride_ak: int,
+    stride_ot: int,
+    stride_or: int,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_IN: tl.constexpr,
+) -> None:
+    seg = tl.program_id(0)
+    t0 = tl.program_id(1) * BLOCK_T
+    r0 = tl.program_id(2) * BLOCK_R
+    slot = tl.load(slots_ptr + seg).to(tl.int64)
+    seg_len = tl.load(lens_ptr + seg)
+    if (slot < 0) | (t0 >= seg_len):
+        return
+    rank = tl.load(ranks_ptr + slot)
+    rows = tl.load(starts_ptr + seg).to(tl.int64) + t0 + tl.arange(0, BLOCK_T)  # [BT]
+    row_mask = (t0 + tl.arange(0, BLOCK_T)) < seg_len
+    offs_r = r0 + tl.arange(0, BLOCK_R)  # [BR]
+    r_mask = offs_r < rank
+    offs_k = tl.arange(0, BLOCK_IN)  # [BK]
+    x_tile = x_ptr + rows[:, None] * stride_xt + offs_k[None, :] * stride_xk  # [BT, BK]
+    a_tile = a_ptr + slot * stride_as + offs_r[None, :] * stride_ar + offs_k[:, None] * stride_ak  # [BK, BR]
+    acc = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
+    num_in_live = tl.where(r0 < rank, num_in, 0)  # a rank tile past the slot's rank only writes zeros
+    for k0 in range(0, num_in_live, BLOCK_IN):
+        k_mask = (k0 + offs_k) < num_in
+        xv = tl.load(x_tile, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        av = tl.load(a_tile, mask=k_mask[:, None] & r_mask[None, :], other=0.0)
+        acc = tl.dot(xv, av.to(xv.dtype), acc, input_precision=DOT_PRECISION)
+        x_tile += BLOCK_IN * stride_xk
+        a_tile += BLOCK_IN * stride_ak
+    out_tile = out_ptr + rows[:, None] * stride_ot + offs_r[None, :] * stride_or
+    tl.store(out_tile, acc, mask=row_mask[:, None] & (offs_r < num_r)[None, :])
+
+
+@_jit
+def _expand_kernel(
+    h_ptr: tl.tensor,  # [T, R] fp32
+    b_ptr: tl.tensor,  # [S, OUT, R]
+    y_ptr: tl.tensor,  # [T, Y]
+    starts_ptr: tl.tensor,  # [G]
+    lens_ptr: tl.tensor,  # [G]
+    slots_ptr: tl.tensor,  # [G]
+    ranks_ptr: tl.tensor,  # [S]
+    num_out: int,
+    col_offset: int,
+    stride_ht: int,
+    stride_hr: int,
+    stride_bs: int,
+    stride_bo: int,
+    stride_br: int,
+    stride_yt: int,
+    stride_yc: int,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_OUT: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+) -> None:
+    seg = tl.program_id(0)
+    t0 = tl.program_id(1) * BLOCK_T
+    o0 = tl.program_id(2) * BLOCK_OUT
+    slot = tl.load(slots_ptr + seg).to(tl.int64)
+    seg_len = tl.load(lens_ptr + seg)
+    if (slot < 0) | (t0 >= seg_len):
+        return
+    rank = tl.load(ranks_ptr + slot)
+    rows = tl.load(starts_ptr + seg).to(tl.int64) + t0 + tl.arange(0, BLOCK_T)  # [BT]
+    row_mask = (t0 + tl.arange(0, BLOCK_T)) < seg_len
+    offs_o = o0 + tl.arange(0, BLOCK_OUT)  # [BO]
+    o_mask = offs_o < num_out
+    offs_k = tl.arange(0, BLOCK_K)  # [BK]
+    h_tile = h_ptr + rows[:, None] * stride_ht + offs_k[None, :] * stride_hr  # [BT, BK]
+    b_tile = b_ptr + slot * stride_bs + offs_o[None, :] * stride_bo + offs_k[:, None] * stride_br  # [BK, BO]
+    acc = tl.zeros((BLOCK_T, BLOCK_OUT), dtype=tl.float32)
+    for k0 in range(0, rank, BLOCK_K):
+        k_mask = (k0 + offs_k) < rank
+        hv = tl.load(h_tile, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        bv = tl.load(b_tile, mask=k_mask[:, None] & o_mask[None, :], other=0.0)
+        acc = tl.dot(hv.to(bv.dtype), bv, acc, input_precision=DOT_PRECISION)
+        h_tile += BLOCK_K * stride_hr
+        b_tile += BLOCK_K * stride_br
+    y_tile = y_ptr + rows[:, None] * stride_yt + (col_offset + offs_o)[None, :] * stride_yc
+    mask = row_mask[:, None] & o_mask[None, :]
+    yv = tl.load(y_tile, mask=mask, other=0.0)
+    tl.store(y_tile, (yv.to(tl.float32) + acc).to(yv.dtype), mask=mask)
+
+
+# launchers
+
+
+def _dot_precision(dtype: torch.dtype) -> str | None:
+    # fp32 operands keep full precision (no tf32); 16-bit operands take the backend default
+    return "ieee" if dtype == torch.float32 else None
+
+
+def _check_segments(seg_starts: torch.Tensor, seg_lens: torch.Tensor, seg_slots: torch.Tensor) -> None:
+    shapes = {seg_starts.shape, seg_lens.shape, seg_slots.shape}
+    if len(shapes) != 1 or seg_starts.dim() != 1:
+        raise ValueError(f"segment tensors must be 1-D of one length, got {[tuple(s) for s in shapes]}")
+
+
+def _num_token_tiles(num_rows: int, max_seg_len: int | None) -> int:
+    # without a host-side bound, cover the whole batch: idle tiles return at once, and no device sync
+    return triton.cdiv(max_seg_len if max_seg_len is not None else num_rows, _BLOCK_T)
+
+
+def sgmv_shrink(
+    x: torch.Tensor,
+    a_stack: torch.Tensor,
+    seg_starts: torch.Tensor,
+    seg_lens: torch.Tensor,
+    seg_slots: torch.Tensor,
+    ranks: torch.Tensor,
+    out: torch.Tensor,
+    max_seg_len: int | None = None,
+) -> None:
+    """out[rows of each segment] = x[rows] @ a_stack[slot, :rank].T, in fp32; columns >= rank get 0.
+
+    x [T, IN]; a_stack [S, R, IN] zero-padded to the max rank R; seg_starts, seg_lens, seg_slots [G] int32
+    (slot -1: no adapter, rows left untouched); ranks [S] int32; out [T, R] float32. Rows outside every
+    segment are left untouched. max_seg_len, if the caller knows it, shrinks the grid.
+    """
+    _check_segments(seg_starts, seg_lens, seg_slots)
+    num_rows, num_in = x.shape
+    num_r = a_stack.shape[1]
+    if a_stack.shape[2] != num_in or out.shape != (num_rows, num_r) or out.dtype != torch.float32:
+        raise ValueError(f"shrink shapes: x {tuple(x.shape)}, a {tuple(a_stack.shape)}, out {tuple(out.shape)}")
+    if seg_starts.numel() == 0 or num_rows == 0:
+        return
+    block_r = max(16, min(_BLOCK_R, triton.next_power_of_2(num_r)))
+    grid = (seg_starts.numel(), _num_token_tiles(num_rows, max_seg_len), triton.cdiv(num_r, block_r))
+    _shrink_kernel[grid](
+        x, a_stack, out, seg_starts, seg_lens, seg_slots, ranks,
+        num_in, num_r,
+        x.stride(0), x.stride(1),
+        a_stack.stride(0), a_stack.stride(1), a_stack.stride(2),
+        out.stride(0), out.stride(1),
+        DOT_PRECISION=_dot_precision(x.dtype), BLOCK_T=_BLOCK_T, BLOCK_R=block_r, BLOCK_IN=_BLOCK_IN,
+    )  # fmt: skip
+
+
+def sgmv_expand(
+    h: torch.Tensor,
+    b_stack: torch.Tensor,
+    seg_starts: torch.Tensor,
+    seg_lens: torch.Tensor,
+    seg_slots: torch.Tensor,
+    ranks: torch.Tensor,
+    y: torch.Tensor,
+    col_offset: int,
+    max_seg_len: int | None = None,
+) -> None:
+    """y[rows, col_offset:col_offset+OUT] += h[rows, :rank] @ b_stack[slot, :, :rank].T for each segment.
+
+    h [T, R] float32 (from sgmv_shrink); b_stack [S, OUT, R] with the scale folded in, zero-padded;
+    segments and ranks as in sgmv_shrink; y [T, Y] any float dtype, accumulated in fp32. Other columns,
+    rows outside every segment and rows of slot -1 are left untouched.
+    """
+    _check_segments(seg_starts, seg_lens, seg_slots)
+    num_rows, num_r = h.shape
+    num_out = b_stack.shape[1]
+    if b_stack.shape[2] != num_r or y.shape[0] != num_rows or not 0 <= col_offset <= y.shape[1] - num_out:
+        raise ValueError(
+            f"expand shapes: h {tuple(h.shape)}, b {tuple(b_stack.shape)}, y {tuple(y.shape)}, col_offset {col_offset}"
+        )
+    if seg_starts.numel() == 0 or num_rows == 0:
+        return
+    grid = (seg_starts.numel(), _num_token_tiles(num_rows, max_seg_len), triton.cdiv(num_out, _BLOCK_OUT))
+    _expand_kernel[grid](
+        h, b_stack, y, seg_starts, seg_lens, seg_slots, ranks,
+        num_out, col_offset,
+        h.stride(0), h.stride(1),
+        b_stack.stride(0), b_stack.stride(1), b_stack.stride(2),
+        y.stride(0), y.stride(1),
+        DOT_PRECISION=_dot_precision(b_stack.dtype), BLOCK_T=_BLOCK_T, BLOCK_OUT=_BLOCK_OUT, BLOCK_K=_BLOCK_K,
+    )  # fmt: skip
