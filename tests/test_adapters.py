@@ -240,3 +240,52 @@ def test_hot_adapter_cannot_starve_the_others(tiny_llama_dir: Path, good_adapter
         assert hot_done < 40 or not singles_left, f"{len(singles_left)} singles still waiting at {hot_done} hot"
     run_all(engine)
     assert engine.slots.num_busy == 0
+
+
+def test_remote_adapters_go_through_the_disk_cache(tiny_llama_dir: Path, good_adapter: Path, tmp_path: Path) -> None:
+    """http(s) archive sources land in the byte-bounded disk cache, then host, then a slot."""
+    import functools
+    import http.server
+    import tarfile
+    import threading
+
+    site = tmp_path / "site"
+    site.mkdir()
+    template = load_file(str(good_adapter / "adapter_model.safetensors"))
+    gen = torch.Generator().manual_seed(1)
+    for i in range(12):
+        d = tmp_path / "src" / f"remote-{i}"
+        d.mkdir(parents=True)
+        shutil.copy(good_adapter / "adapter_config.json", d)
+        save_file(
+            {k: torch.randn(v.shape, generator=gen) for k, v in template.items()}, str(d / "adapter_model.safetensors")
+        )
+        with tarfile.open(site / f"remote-{i}.tar.gz", "w:gz") as tar:
+            tar.add(d, arcname=d.name)
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(site))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        entry = sum(
+            (tmp_path / "src" / "remote-0" / f).stat().st_size
+            for f in ("adapter_config.json", "adapter_model.safetensors")
+        )
+        budget = 4 * entry + 1000
+        engine = new_engine(tiny_llama_dir, tmp_path, max_loras=2, disk_cache_bytes=budget)
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        for i in range(12):
+            engine.adapters.register(f"remote-{i}", f"{url}/remote-{i}.tar.gz")
+        ids = {
+            i: engine.add_request([4, 5, 6], SamplingParams(max_new_tokens=4), adapter_id=f"remote-{i}")
+            for i in range(12)
+        }
+        done = run_all(engine)
+        assert all(done[r].error is None for r in ids.values()), [done[r].error for r in ids.values()]
+        assert engine.adapters.disk.total_bytes <= budget and engine.adapters.disk.num_entries <= 4
+        assert engine.adapters.stats.loads["disk"] == 12
+        ref = peft_greedy(tiny_llama_dir, tmp_path / "src" / "remote-3", [[4, 5, 6]], [4])[0]
+        assert done[ids[3]].token_ids == ref
+        rows = {r["id"]: r for r in engine.adapter_residency()}
+        assert sum(r["tier"] == "disk" for r in rows.values()) <= 4
+    finally:
+        server.shutdown()

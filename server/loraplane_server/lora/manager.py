@@ -47,7 +47,6 @@ class AdapterRecord:
     hits: int = 0
     loads: int = 0
     pinned: bool = False
-    on_disk: bool = False
     last_used: float = field(default_factory=time.time)
     load_seconds: float | None = None
 
@@ -111,8 +110,7 @@ class AdapterManager:
                 self._forget_host(adapter_id)
                 self.disk.remove(adapter_id)
             if old is None or old.source.uri != parsed.uri:
-                on_disk = parsed.kind == "local" or self.disk.get(adapter_id) is not None
-                self.records[adapter_id] = AdapterRecord(adapter_id, parsed, on_disk=on_disk)
+                self.records[adapter_id] = AdapterRecord(adapter_id, parsed)
             return self.records[adapter_id]
 
     def lookup(self, adapter_id: str) -> AdapterRecord | None:
@@ -166,10 +164,10 @@ class AdapterManager:
         start = time.monotonic()
         error: str | None = None
         try:
-            path = self._materialise(adapter_id)
-            if tier != "disk":
-                weights = load_lora(path, adapter_id, self.model_args, self.max_rank, self.dtype)
-                self._put_host(adapter_id, weights)
+            if tier == "disk":
+                self._materialise(adapter_id)
+            else:
+                self._put_host(adapter_id, self._read_weights(adapter_id))
         except (AdapterError, AdapterSourceError, OSError, ValueError) as exc:
             error = str(exc)
         except Exception as exc:  # noqa: BLE001 - a hostile adapter must not kill the loader
@@ -192,12 +190,10 @@ class AdapterManager:
             rec = self.records[adapter_id]
         if rec.source.kind == "local" and rec.source.path is not None:
             read_adapter_config(rec.source.path)
-            rec.on_disk = True
             return rec.source.path
         cached = self.disk.get(adapter_id)
         if cached is not None:
             self.stats.hits["disk"] += 1
-            rec.on_disk = True
             return cached
         self.stats.misses["disk"] += 1
 
@@ -208,7 +204,6 @@ class AdapterManager:
         if rec.pinned:
             self.disk.pin(adapter_id)
         self.stats.loads["disk"] += 1
-        rec.on_disk = True
         return path
 
     def _put_host(self, adapter_id: str, weights: LoRAWeights) -> None:
@@ -239,10 +234,26 @@ class AdapterManager:
             if w is not None:
                 self.host.move_to_end(adapter_id)
                 return w
-        path = self._materialise(adapter_id)
-        w = load_lora(path, adapter_id, self.model_args, self.max_rank, self.dtype)
+        w = self._read_weights(adapter_id)
         self._put_host(adapter_id, w)
         return w
+
+    def _read_weights(self, adapter_id: str) -> LoRAWeights:
+        """Materialise on disk and read; a disk-cache entry is pinned while its files are read."""
+        path = self._materialise(adapter_id)
+        with self._lock:
+            remote = self.records[adapter_id].source.kind != "local"
+        if not remote:
+            return load_lora(path, adapter_id, self.model_args, self.max_rank, self.dtype)
+        try:
+            self.disk.pin(adapter_id)
+        except KeyError:  # evicted between fetch and read: fetch again
+            path = self._materialise(adapter_id)
+            self.disk.pin(adapter_id)
+        try:
+            return load_lora(path, adapter_id, self.model_args, self.max_rank, self.dtype)
+        finally:
+            self.disk.unpin(adapter_id)
 
     def wait_for_completion(self, timeout: float) -> bool:
         """Block until some load finishes (or timeout); for a stepping loop with nothing to run."""
@@ -267,7 +278,7 @@ class AdapterManager:
         with self._lock:
             if tier in ("host", "device") and adapter_id not in self.host:
                 self._start_load(rec, "host")
-            elif tier == "disk" and not rec.on_disk:
+            elif tier == "disk" and self.tier_of(adapter_id) == "source":
                 self._start_load(rec, "disk")
         return rec
 
@@ -292,7 +303,9 @@ class AdapterManager:
             rec = self.records.get(adapter_id)
             if adapter_id in self.host:
                 return "host"
-            return "disk" if rec is not None and rec.on_disk else "source"
+        if rec is not None and (rec.source.kind == "local" or self.disk.size_of(adapter_id) is not None):
+            return "disk"
+        return "source"
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
