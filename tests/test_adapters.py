@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from lora_helpers import make_peft_adapter, peft_greedy
 from safetensors.torch import load_file, save_file
 
+from lora_helpers import make_peft_adapter, peft_greedy
 from loraplane_server.config import EngineConfig
 from loraplane_server.engine import LLMEngine, RequestOutput
 from loraplane_server.sampling_params import SamplingParams

@@ -7,8 +7,8 @@ import random
 from pathlib import Path
 
 import pytest
-from lora_helpers import ADAPTER_SPECS, make_peft_adapter, peft_greedy
 
+from lora_helpers import ADAPTER_SPECS, make_peft_adapter, peft_greedy
 from loraplane_server.config import EngineConfig
 from loraplane_server.engine import LLMEngine
 from loraplane_server.sampling_params import SamplingParams
