@@ -35,7 +35,11 @@ _BLOCK_K = 16  # expand reduction tile over the rank axis
 
 def triton_available() -> bool:
     """True if triton imports and can run here: a CUDA device, or the interpreter (TRITON_INTERPRET=1)."""
-    return _HAS_TRITON and (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")
+    return _HAS_TRITON and (torch.cuda.is_available() or _is_interpreting())
+
+
+def _is_interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "").lower() in ("1", "true", "on")
 
 
 def _jit(fn: Callable[..., None]) -> Any:
@@ -64,6 +68,7 @@ def _shrink_kernel(
     stride_ak: int,
     stride_ot: int,
     stride_or: int,
+    DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -90,7 +95,7 @@ def _shrink_kernel(
         k_mask = (k0 + offs_k) < num_in
         xv = tl.load(x_tile, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         av = tl.load(a_tile, mask=k_mask[:, None] & r_mask[None, :], other=0.0)
-        acc = tl.dot(xv, av.to(xv.dtype), acc, input_precision=DOT_PRECISION)
+        acc = tl.dot(xv.to(DOT_DTYPE), av.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)
         x_tile += BLOCK_IN * stride_xk
         a_tile += BLOCK_IN * stride_ak
     out_tile = out_ptr + rows[:, None] * stride_ot + offs_r[None, :] * stride_or
@@ -115,6 +120,7 @@ def _expand_kernel(
     stride_br: int,
     stride_yt: int,
     stride_yc: int,
+    DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_OUT: tl.constexpr,
@@ -140,7 +146,7 @@ def _expand_kernel(
         k_mask = (k0 + offs_k) < rank
         hv = tl.load(h_tile, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         bv = tl.load(b_tile, mask=k_mask[:, None] & o_mask[None, :], other=0.0)
-        acc = tl.dot(hv.to(bv.dtype), bv, acc, input_precision=DOT_PRECISION)
+        acc = tl.dot(hv.to(DOT_DTYPE), bv.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)
         h_tile += BLOCK_K * stride_hr
         b_tile += BLOCK_K * stride_br
     y_tile = y_ptr + rows[:, None] * stride_yt + (col_offset + offs_o)[None, :] * stride_yc
@@ -152,9 +158,14 @@ def _expand_kernel(
 # launchers
 
 
-def _dot_precision(dtype: torch.dtype) -> str | None:
-    # fp32 operands keep full precision (no tf32); 16-bit operands take the backend default
-    return "ieee" if dtype == torch.float32 else None
+def _dot_args(dtype: torch.dtype) -> dict[str, Any]:
+    """Operand dtype and precision of tl.dot for weights of this dtype."""
+    if dtype == torch.float32 or (dtype == torch.bfloat16 and _is_interpreting()):
+        # fp32 keeps full precision (no tf32); the interpreter's dot cannot multiply bf16
+        return {"DOT_DTYPE": tl.float32, "DOT_PRECISION": "ieee"}
+    if dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"LoRA weights must be float32, float16 or bfloat16, got {dtype}")
+    return {"DOT_DTYPE": tl.float16 if dtype == torch.float16 else tl.bfloat16, "DOT_PRECISION": None}
 
 
 def _check_segments(seg_starts: torch.Tensor, seg_lens: torch.Tensor, seg_slots: torch.Tensor) -> None:
@@ -199,7 +210,7 @@ def sgmv_shrink(
         x.stride(0), x.stride(1),
         a_stack.stride(0), a_stack.stride(1), a_stack.stride(2),
         out.stride(0), out.stride(1),
-        DOT_PRECISION=_dot_precision(x.dtype), BLOCK_T=_BLOCK_T, BLOCK_R=block_r, BLOCK_IN=_BLOCK_IN,
+        **_dot_args(a_stack.dtype), BLOCK_T=_BLOCK_T, BLOCK_R=block_r, BLOCK_IN=_BLOCK_IN,
     )  # fmt: skip
 
 
@@ -236,5 +247,5 @@ def sgmv_expand(
         h.stride(0), h.stride(1),
         b_stack.stride(0), b_stack.stride(1), b_stack.stride(2),
         y.stride(0), y.stride(1),
-        DOT_PRECISION=_dot_precision(b_stack.dtype), BLOCK_T=_BLOCK_T, BLOCK_OUT=_BLOCK_OUT, BLOCK_K=_BLOCK_K,
+        **_dot_args(b_stack.dtype), BLOCK_T=_BLOCK_T, BLOCK_OUT=_BLOCK_OUT, BLOCK_K=_BLOCK_K,
     )  # fmt: skip
