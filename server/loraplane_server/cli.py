@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -42,6 +43,90 @@ def _params(a: argparse.Namespace) -> SamplingParams:
     )
 
 
+def _serve_args(p: argparse.ArgumentParser) -> None:
+    from loraplane_server.http.server_config import parse_bytes
+
+    p.add_argument("--adapter-dir", help="serve every PEFT adapter in this directory under its directory name")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--served-model-name", help="the base model's name in the API (default: --model)")
+    p.add_argument("--max-model-len", type=int, help="context length (default: the model's own)")
+    p.add_argument("--num-kv-blocks", type=int, help="KV-cache blocks (default: from --kv-cache-gib)")
+    p.add_argument("--max-loras", type=int, default=8, help="device adapter slots: distinct adapters per step")
+    p.add_argument("--max-lora-rank", type=int, default=64)
+    p.add_argument("--host-cache-bytes", type=parse_bytes, default="2GiB", help="adapter cache in host memory")
+    p.add_argument("--disk-cache-bytes", type=parse_bytes, default="20GiB", help="adapter cache on local disk")
+    p.add_argument("--disk-cache-dir", help="default: <user cache>/loraplane/adapters")
+    p.add_argument("--max-queue", type=int, default=256, help="waiting requests beyond this get 429")
+    p.add_argument(
+        "--admin-token",
+        default=os.environ.get("LORAPLANE_ADMIN_TOKEN"),
+        help="bearer token for the admin routes (default: $LORAPLANE_ADMIN_TOKEN; none: open)",
+    )
+    p.add_argument(
+        "--adapter-source-allow",
+        action="append",
+        default=[],
+        metavar="PREFIX",
+        help="allowed adapter sources (repeatable): a directory or a URI prefix such as hf:// or "
+        "s3://bucket/; default hf://, and --adapter-dir is always allowed",
+    )
+    p.add_argument("--max-body-bytes", type=parse_bytes, default="4MiB")
+    p.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
+    p.add_argument(
+        "--metrics-top-adapters",
+        type=int,
+        default=100,
+        help="adapters with their own usage label in /metrics; the rest aggregate",
+    )
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def _server_config(a: argparse.Namespace):  # noqa: ANN202 - imported lazily: chat needs no HTTP stack
+    from loraplane_server.http.server_config import ServerConfig
+
+    engine = EngineConfig(
+        model=a.model,
+        dtype=a.dtype,
+        max_num_seqs=a.max_num_seqs,
+        max_num_batched_tokens=a.max_num_batched_tokens,
+        kv_cache_bytes=int(a.kv_cache_gib * 2**30),
+        num_kv_blocks=a.num_kv_blocks,
+        max_model_len=a.max_model_len,
+        max_loras=a.max_loras,
+        max_lora_rank=a.max_lora_rank,
+        adapter_dir=os.path.abspath(a.adapter_dir) if a.adapter_dir else None,
+        host_cache_bytes=a.host_cache_bytes,
+        disk_cache_bytes=a.disk_cache_bytes,
+        disk_cache_dir=a.disk_cache_dir,
+    )
+    return ServerConfig(
+        engine=engine,
+        host=a.host,
+        port=a.port,
+        served_model_name=a.served_model_name,
+        max_queue=a.max_queue,
+        admin_token=a.admin_token or None,
+        adapter_source_allow=tuple(a.adapter_source_allow),
+        max_body_bytes=a.max_body_bytes,
+        shutdown_grace_s=a.shutdown_grace,
+        metrics_top_adapters=a.metrics_top_adapters,
+        log_level=a.log_level,
+    )
+
+
+def cmd_serve(a: argparse.Namespace) -> int:
+    """Serve the HTTP API (LoRAX, OpenAI, vLLM admin, /metrics) until SIGTERM."""
+    from loraplane_server.http.server import serve
+
+    try:
+        config = _server_config(a)
+    except ValueError as exc:
+        print(f"loraplane serve: {exc}", file=sys.stderr)
+        return 2
+    return serve(config)
+
+
 def cmd_chat(a: argparse.Namespace) -> int:
     """Chat with the model: one answer for --prompt, else a prompt loop on stdin."""
     from loraplane_server.engine import LLMEngine
@@ -78,6 +163,10 @@ def main(argv: list[str] | None = None) -> int:
     _sampling_args(chat)
     chat.add_argument("--prompt", help="answer this one message and exit")
     chat.set_defaults(func=cmd_chat)
+    serve = sub.add_parser("serve", help="serve the HTTP API")
+    _engine_args(serve)
+    _serve_args(serve)
+    serve.set_defaults(func=cmd_serve)
     a = parser.parse_args(argv)
     return a.func(a)
 

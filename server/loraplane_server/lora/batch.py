@@ -70,7 +70,7 @@ class LoRABatch:
         self.t_lens = as_tensor([n for _, n, _ in segs])
         self.t_slots = as_tensor([s for _, _, s in segs])
         self.t_ranks = {kind: as_tensor([w.get(kind, 0) for w in self.slots.widths]) for kind in self.slots.layouts}
-        self.num_rows = max((s + n for s, n, _ in segs), default=0)
+        self.max_seg_len = max((n for _, n, _ in segs), default=0)  # sizes the grid without a device sync
 
     def _apply_triton(
         self, kind: str, a: torch.Tensor, b: torch.Tensor, x: torch.Tensor, out: torch.Tensor
@@ -81,6 +81,7 @@ class LoRABatch:
             return out
         h = torch.zeros(x.shape[0], a.shape[1], dtype=torch.float32, device=x.device)  # [T, P*R]
         ranks = self.t_ranks[kind]
-        sgmv_shrink(x, a, self.t_starts, self.t_lens, self.t_slots, ranks, h)
-        sgmv_expand(h, b, self.t_starts, self.t_lens, self.t_slots, ranks, out, 0)
+        segs = (self.t_starts, self.t_lens, self.t_slots, ranks)
+        sgmv_shrink(x, a, *segs, h, max_seg_len=self.max_seg_len)
+        sgmv_expand(h, b, *segs, out, 0, max_seg_len=self.max_seg_len)
         return out
