@@ -28,6 +28,10 @@ class LoRABatch:
         self.num_decode = len(decode_slots)
         used = {s for s in decode_slots if s != slots.none_slot} | {s for _, _, s in segments}
         self.kinds = {k for s in used for k in slots.widths[s]}
+        # decode gathers only the columns some decode slot uses (compact layout: the rest are zeros)
+        self.decode_width = {
+            k: max((slots.widths[s].get(k, 0) for s in set(decode_slots)), default=0) for k in self.kinds
+        }
         self.decode_slots = (
             torch.tensor(decode_slots, dtype=torch.int64, device=device)
             if any(s != slots.none_slot for s in decode_slots)
@@ -51,9 +55,10 @@ class LoRABatch:
         if self.use_triton:
             return self._apply_triton(layer.kind, a, b, x, out)
         nd = self.num_decode
-        if self.decode_slots is not None:
-            h = torch.bmm(a[self.decode_slots], x[:nd].unsqueeze(-1))  # [Bd, P*R, 1]
-            out[:nd] += torch.bmm(b[self.decode_slots], h).squeeze(-1)
+        w = self.decode_width[layer.kind]
+        if self.decode_slots is not None and w:
+            h = torch.bmm(a[:, :w][self.decode_slots], x[:nd].unsqueeze(-1))  # [Bd, w, 1]
+            out[:nd] += torch.bmm(b[:, :, :w][self.decode_slots], h).squeeze(-1)  # [Bd, out]
         for start, end, slot in self.segments:
             w = self.slots.widths[slot].get(layer.kind)
             if w:
