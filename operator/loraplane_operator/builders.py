@@ -1,0 +1,275 @@
+"""Pure manifest builders for a BaseModelServer: Deployment, Service, HPA, KEDA ScaledObject.
+
+Each `get_*` takes the BaseModelServer body (metadata + spec, CRD defaults applied or not) and returns a
+manifest dict with no owner references; the handlers adopt and apply it. No I/O here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from loraplane_operator import constants as c
+
+Body = Mapping[str, Any]
+
+DEFAULT_MODEL = "smollm2-135m"
+DEFAULT_IMAGE = "loraplane:latest"
+DEFAULT_PORT = 8080
+
+# engine field -> `loraplane serve` flag
+ENGINE_FLAGS = {
+    "maxLoras": "--max-loras",
+    "maxLoraRank": "--max-lora-rank",
+    "maxNumSeqs": "--max-num-seqs",
+    "maxNumBatchedTokens": "--max-num-batched-tokens",
+    "maxModelLen": "--max-model-len",
+    "kvCacheGiB": "--kv-cache-gib",
+    "hostCacheBytes": "--host-cache-bytes",
+    "diskCacheBytes": "--disk-cache-bytes",
+    "dtype": "--dtype",
+    "maxQueue": "--max-queue",
+}
+# spec fields that do not change the pod template (scaling is not a new configuration)
+UNHASHED_FIELDS = ("replicas", "autoscaling")
+
+
+def selector_labels(name: str) -> dict[str, str]:
+    """The labels that select a server's pods (immutable on the Deployment: never change them)."""
+    return {c.NAME_LABEL: c.APP_NAME, c.SERVER_LABEL: name}
+
+
+def server_labels(name: str) -> dict[str, str]:
+    return {
+        **selector_labels(name),
+        c.INSTANCE_LABEL: name,
+        c.COMPONENT_LABEL: c.COMPONENT,
+        c.MANAGED_BY_LABEL: c.MANAGED_BY,
+    }
+
+
+def selector_string(name: str) -> str:
+    """`k=v,k=v`, as the scale subresource's labelSelectorPath wants it."""
+    return ",".join(f"{k}={v}" for k, v in sorted(selector_labels(name).items()))
+
+
+def pod_url(pod_ip: str, port: int) -> str:
+    host = f"[{pod_ip}]" if ":" in pod_ip else pod_ip
+    return f"http://{host}:{port}"
+
+
+def server_port(spec: Mapping[str, Any]) -> int:
+    return int(spec.get("port") or DEFAULT_PORT)
+
+
+def config_hash(spec: Mapping[str, Any]) -> str:
+    """A short digest of everything in the spec that shapes a pod; replicas and autoscaling excluded."""
+    relevant = {k: v for k, v in spec.items() if k not in UNHASHED_FIELDS}
+    return hashlib.sha256(json.dumps(relevant, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def server_args(spec: Mapping[str, Any]) -> list[str]:
+    """The flags after the command: model, address, engine settings, allowed adapter sources, extras."""
+    args = ["--model", str(spec.get("model") or DEFAULT_MODEL)]
+    args += ["--host", f"$({c.POD_IP_ENV})", "--port", str(server_port(spec))]
+    engine = spec.get("engine") or {}
+    for field, flag in ENGINE_FLAGS.items():
+        if engine.get(field) is not None:
+            args += [flag, str(engine[field])]
+    for prefix in spec.get("adapterSourceAllow") or []:
+        args += ["--adapter-source-allow", str(prefix)]
+    return args + [str(a) for a in spec.get("args") or []]
+
+
+def _env(spec: Mapping[str, Any]) -> list[dict[str, Any]]:
+    env: list[dict[str, Any]] = [
+        {"name": c.POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+    ]
+    ref = spec.get("adminTokenSecretRef")
+    if ref:
+        key = ref.get("key") or "token"
+        env.append({"name": c.ADMIN_TOKEN_ENV, "valueFrom": {"secretKeyRef": {"name": ref["name"], "key": key}}})
+    return env + [dict(e) for e in spec.get("env") or []]
+
+
+def _resources(spec: Mapping[str, Any]) -> dict[str, Any]:
+    res = spec.get("resources") or {}
+    requests = dict(res.get("requests") or {})
+    limits = dict(res.get("limits") or {})
+    gpus = int(res.get("gpus", 1))
+    if gpus > 0:
+        limits[c.GPU_RESOURCE] = gpus
+    out: dict[str, Any] = {}
+    if requests:
+        out["requests"] = requests
+    if limits:
+        out["limits"] = limits
+    return out
+
+
+def _probe(path: str, period_s: int, failures: int) -> dict[str, Any]:
+    return {
+        "httpGet": {"path": path, "port": c.PORT_NAME},
+        "periodSeconds": period_s,
+        "timeoutSeconds": 3,
+        "failureThreshold": failures,
+    }
+
+
+def get_container(spec: Mapping[str, Any]) -> dict[str, Any]:
+    container: dict[str, Any] = {
+        "name": c.CONTAINER_NAME,
+        "image": spec.get("image") or DEFAULT_IMAGE,
+        "imagePullPolicy": spec.get("imagePullPolicy") or "IfNotPresent",
+        "command": list(spec.get("command") or c.DEFAULT_COMMAND),
+        "args": server_args(spec),
+        "env": _env(spec),
+        "ports": [{"name": c.PORT_NAME, "containerPort": server_port(spec), "protocol": "TCP"}],
+        "readinessProbe": _probe("/ready", 5, 3),
+        "livenessProbe": _probe("/health", 10, 6),
+    }
+    resources = _resources(spec)
+    if resources:
+        container["resources"] = resources
+    return container
+
+
+def get_pod_spec(spec: Mapping[str, Any]) -> dict[str, Any]:
+    pod: dict[str, Any] = {
+        "containers": [get_container(spec)],
+        "terminationGracePeriodSeconds": c.TERMINATION_GRACE_S,
+    }
+    if spec.get("nodeSelector"):
+        pod["nodeSelector"] = dict(spec["nodeSelector"])
+    if spec.get("tolerations"):
+        pod["tolerations"] = [dict(t) for t in spec["tolerations"]]
+    if spec.get("serviceAccountName"):
+        pod["serviceAccountName"] = spec["serviceAccountName"]
+    return pod
+
+
+def is_autoscaled(spec: Mapping[str, Any]) -> bool:
+    return bool((spec.get("autoscaling") or {}).get("enabled"))
+
+
+def deployment_replicas(spec: Mapping[str, Any], current: int | None) -> int:
+    """spec.replicas; under autoscaling the live count (clamped to the bounds), so applying the Deployment
+    never resets what the autoscaler chose (omitting the field would reset it to 1 under server-side apply)."""
+    if not is_autoscaled(spec):
+        return int(spec.get("replicas", 1))
+    a = _autoscaling(spec)
+    value = int(spec.get("replicas", 1)) if current is None else current
+    return max(a["min"], min(a["max"], value))
+
+
+def get_deployment(bms: Body, current_replicas: int | None = None) -> dict[str, Any]:
+    """The server Deployment. `current_replicas`: the live Deployment's, kept under autoscaling."""
+    name, spec = bms["metadata"]["name"], bms.get("spec") or {}
+    labels = server_labels(name)
+    dep_spec: dict[str, Any] = {
+        "selector": {"matchLabels": selector_labels(name)},
+        "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+        "template": {
+            "metadata": {"labels": labels, "annotations": {c.CONFIG_HASH_ANNOTATION: config_hash(spec)}},
+            "spec": get_pod_spec(spec),
+        },
+    }
+    dep_spec["replicas"] = deployment_replicas(spec, current_replicas)
+    return _manifest("apps/v1", "Deployment", bms, dep_spec)
+
+
+def get_service(bms: Body) -> dict[str, Any]:
+    name, spec = bms["metadata"]["name"], bms.get("spec") or {}
+    port = server_port(spec)
+    svc_spec = {
+        "type": "ClusterIP",
+        "selector": selector_labels(name),
+        "ports": [{"name": c.PORT_NAME, "port": port, "targetPort": c.PORT_NAME, "protocol": "TCP"}],
+    }
+    return _manifest("v1", "Service", bms, svc_spec)
+
+
+def _autoscaling(spec: Mapping[str, Any]) -> dict[str, Any]:
+    a = spec.get("autoscaling") or {}
+    return {
+        "kind": a.get("kind", "hpa"),
+        "min": int(a.get("minReplicas", 1)),
+        "max": int(a.get("maxReplicas", 4)),
+        "target": int(a.get("targetQueueDepth", 8)),
+        "stabilization": int(a.get("scaleDownStabilizationSeconds", 300)),
+        "prometheus": a.get("prometheusAddress") or "http://prometheus-operated.monitoring.svc:9090",
+        "query": a.get("query"),
+    }
+
+
+def get_hpa(bms: Body) -> dict[str, Any]:
+    """autoscaling/v2 HPA on the per-pod loraplane_queue_depth (served by prometheus-adapter)."""
+    name = bms["metadata"]["name"]
+    a = _autoscaling(bms.get("spec") or {})
+    hpa_spec = {
+        "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": name},
+        "minReplicas": a["min"],
+        "maxReplicas": a["max"],
+        "metrics": [
+            {
+                "type": "Pods",
+                "pods": {
+                    "metric": {"name": c.QUEUE_DEPTH_METRIC},
+                    "target": {"type": "AverageValue", "averageValue": str(a["target"])},
+                },
+            }
+        ],
+        "behavior": {"scaleDown": {"stabilizationWindowSeconds": a["stabilization"]}},
+    }
+    return _manifest(c.HPA_API_VERSION, "HorizontalPodAutoscaler", bms, hpa_spec)
+
+
+def queue_depth_query(namespace: str, name: str) -> str:
+    return f'sum({c.QUEUE_DEPTH_METRIC}{{namespace="{namespace}",pod=~"{name}-.*"}})'
+
+
+def get_scaled_object(bms: Body) -> dict[str, Any]:
+    """KEDA ScaledObject with a Prometheus trigger; AverageValue divides the summed queue by the replicas."""
+    meta = bms["metadata"]
+    name, namespace = meta["name"], meta.get("namespace") or "default"
+    a = _autoscaling(bms.get("spec") or {})
+    so_spec = {
+        "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": name},
+        "minReplicaCount": a["min"],
+        "maxReplicaCount": a["max"],
+        "advanced": {
+            "horizontalPodAutoscalerConfig": {
+                "behavior": {"scaleDown": {"stabilizationWindowSeconds": a["stabilization"]}},
+            },
+        },
+        "triggers": [
+            {
+                "type": "prometheus",
+                "metricType": "AverageValue",
+                "metadata": {
+                    "serverAddress": a["prometheus"],
+                    "query": a["query"] or queue_depth_query(namespace, name),
+                    "threshold": str(a["target"]),
+                },
+            }
+        ],
+    }
+    return _manifest(c.KEDA_API_VERSION, "ScaledObject", bms, so_spec)
+
+
+def get_autoscaler(bms: Body) -> dict[str, Any] | None:
+    """The HPA or ScaledObject the spec asks for, or None."""
+    spec = bms.get("spec") or {}
+    if not is_autoscaled(spec):
+        return None
+    return get_scaled_object(bms) if _autoscaling(spec)["kind"] == "keda" else get_hpa(bms)
+
+
+def _manifest(api_version: str, kind: str, bms: Body, spec: dict[str, Any]) -> dict[str, Any]:
+    meta = bms["metadata"]
+    metadata: dict[str, Any] = {"name": meta["name"], "labels": server_labels(meta["name"])}
+    if meta.get("namespace"):
+        metadata["namespace"] = meta["namespace"]
+    return {"apiVersion": api_version, "kind": kind, "metadata": metadata, "spec": spec}

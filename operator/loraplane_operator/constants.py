@@ -1,0 +1,65 @@
+"""Names shared by the CRDs, the builders and the handlers: API group, labels, annotations, timings."""
+
+from __future__ import annotations
+
+# API
+GROUP = "loraplane.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+BMS_KIND = "BaseModelServer"
+BMS_PLURAL = "basemodelservers"
+LORA_KIND = "LoRAAdapter"
+LORA_PLURAL = "loraadapters"
+KEDA_API_VERSION = "keda.sh/v1alpha1"
+KEDA_PLURAL = "scaledobjects"
+HPA_API_VERSION = "autoscaling/v2"
+
+# labels on everything the operator creates; the server pods are found by SERVER_LABEL
+NAME_LABEL = "app.kubernetes.io/name"
+INSTANCE_LABEL = "app.kubernetes.io/instance"
+COMPONENT_LABEL = "app.kubernetes.io/component"
+MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
+SERVER_LABEL = f"{GROUP}/server"
+APP_NAME = "loraplane-server"
+COMPONENT = "model-server"
+MANAGED_BY = "loraplane-operator"
+
+# annotations and finalizer
+CONFIG_HASH_ANNOTATION = f"{GROUP}/config-hash"
+FINALIZER = f"{GROUP}/finalizer"  # kopf's: LoRAAdapters are unloaded from every pod before it goes
+FIELD_MANAGER = "loraplane-operator"
+
+# the server container
+CONTAINER_NAME = "server"
+PORT_NAME = "http"
+DEFAULT_COMMAND = ("loraplane", "serve")
+ADMIN_TOKEN_ENV = "LORAPLANE_ADMIN_TOKEN"
+POD_IP_ENV = "POD_IP"
+GPU_RESOURCE = "nvidia.com/gpu"
+QUEUE_DEPTH_METRIC = "loraplane_queue_depth"
+TERMINATION_GRACE_S = 45  # the server's own --shutdown-grace is 30 s
+
+# LoRAAdapter tiers and phases
+TIERS = ("device", "host", "disk", "none")
+TIER_RANK = {"device": 0, "host": 1, "disk": 2, "source": 3, "none": 3}
+PHASE_PENDING = "Pending"
+PHASE_LOADING = "Loading"
+PHASE_READY = "Ready"
+PHASE_DEGRADED = "Degraded"
+PHASE_FAILED = "Failed"
+
+# BaseModelServer phases
+SERVER_PROGRESSING = "Progressing"
+
+# timings (seconds) and retry limits
+ADAPTER_RESYNC_S = 15.0  # residency timer
+SERVER_RESYNC_S = 10.0  # BaseModelServer status timer
+LOADING_POLL_S = 3.0  # re-read residency this soon while a load is in progress
+UNLOAD_RETRIES = 5  # delete handler retries while pods refuse (adapter in use, 5xx) before letting go
+MAX_ATTEMPTS = 5  # failed rounds before a LoRAAdapter is Failed and retries stop
+BACKOFF_BASE_S = 5.0
+BACKOFF_MAX_S = 300.0
+RESIDENCY_TTL_S = 4.0  # one GET /v1/adapters per pod serves every adapter for this long
+TOKEN_TTL_S = 30.0
+ADMIN_TIMEOUT_S = 10.0
+PREWARM_CONCURRENCY = 8  # admin calls in flight per pod

@@ -1,0 +1,261 @@
+"""Thin kopf handlers: unpack, call a builder or a reconcile function, apply, report.
+
+BaseModelServer: create/update/resume apply the Deployment, Service and autoscaler (owned, server-side
+applied); a timer mirrors the Deployment into the status. LoRAAdapter: one daemon per adapter runs
+reconcile rounds (now on spec changes, every few seconds while loading, with backoff after failures,
+every ADAPTER_RESYNC_S otherwise); delete unloads it from every pod (the finalizer). Server pods: a pod
+that turns Ready or restarts gets every adapter of its server again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Hashable
+from typing import Any
+
+import kopf
+from kubernetes_asyncio.client.exceptions import ApiException
+
+from loraplane_operator import adapter_status as st
+from loraplane_operator import builders, kube, reconcile
+from loraplane_operator import constants as c
+from loraplane_operator.context import OperatorContext
+from loraplane_operator.server_status import PodInfo, ServerRef, pod_info, server_ref, server_status
+
+BMS = (c.GROUP, c.VERSION, c.BMS_PLURAL)
+LORA = (c.GROUP, c.VERSION, c.LORA_PLURAL)
+SERVER_PODS = {c.MANAGED_BY_LABEL: c.MANAGED_BY}
+SERVER_STATUS_KEYS = frozenset({"phase", "message", "replicas", "readyReplicas", "selector", "endpoints"})
+
+
+def _ctx(memo: kopf.Memo) -> OperatorContext:
+    return memo["ctx"]
+
+
+def _first(index: kopf.Index, key: Hashable) -> Any:
+    store = index.get(key)
+    return next(iter(store), None) if store else None
+
+
+def _api_error(exc: ApiException, what: str) -> kopf.TemporaryError | kopf.PermanentError:
+    body = exc.body.decode(errors="replace") if isinstance(exc.body, bytes) else str(exc.body or "")
+    message = f"{what}: {exc.status} {exc.reason}: {body[:300]}"
+    if exc.status == 404:
+        return kopf.PermanentError(f"{message} (is the API installed? kind: keda needs KEDA)")
+    if exc.status in (400, 422):  # a manifest the API server refuses: only a spec change helps
+        return kopf.PermanentError(message)
+    return kopf.TemporaryError(message, delay=10)
+
+
+# indexes: kept in memory by kopf from its watches, read by every handler
+@kopf.index(*BMS)
+def servers(body: kopf.Body, **_: Any) -> dict:
+    ref = server_ref(body)
+    return {(ref.namespace, ref.name): ref}
+
+
+@kopf.index("v1", "pods", labels=SERVER_PODS)
+def server_pods(body: kopf.Body, **_: Any) -> dict:
+    info = pod_info(body)
+    return {} if info is None else {(info.namespace, info.server): info}
+
+
+@kopf.index(*LORA)
+def adapters(name: str, namespace: str | None, spec: kopf.Spec, meta: kopf.Meta, **_: Any) -> dict:
+    if meta.get("deletionTimestamp") or not spec.get("source"):
+        return {}
+    return {(namespace or "", spec.get("baseModelServer")): (name, st.adapter_want(name, spec))}
+
+
+# BaseModelServer
+@kopf.on.resume(*BMS, backoff=10)
+@kopf.on.create(*BMS, backoff=10)
+@kopf.on.update(*BMS, field="spec", backoff=10)
+async def apply_server(
+    body: kopf.Body,
+    name: str,
+    namespace: str | None,
+    spec: kopf.Spec,
+    meta: kopf.Meta,
+    memo: kopf.Memo,
+    patch: kopf.Patch,
+    **_: Any,
+) -> None:
+    """Deployment + Service (+ HPA or ScaledObject), owned by the BaseModelServer, applied idempotently."""
+    ctx, namespace = _ctx(memo), namespace or ""
+    try:
+        live = await reconcile.current_replicas(ctx, namespace, name) if builders.is_autoscaled(spec) else None
+        objs = [builders.get_deployment(body, live), builders.get_service(body)]
+        autoscaler = builders.get_autoscaler(body)
+        if autoscaler is not None:
+            objs.append(autoscaler)
+        kopf.adopt(objs, owner=body)
+        await reconcile.apply_children(ctx, objs, namespace, name)
+    except ApiException as exc:
+        raise _api_error(exc, "applying the server's children") from exc
+    patch.status["observedGeneration"] = meta.get("generation")
+    patch.status["selector"] = builders.selector_string(name)
+    kopf.info(body, reason="Applied", message=", ".join(f"{o['kind']}/{name}" for o in objs))
+
+
+@kopf.timer(*BMS, interval=c.SERVER_RESYNC_S)  # type: ignore[arg-type]  # index kwargs are not in kopf's protocols
+async def server_status_timer(
+    body: kopf.Body,
+    name: str,
+    namespace: str | None,
+    status: kopf.Status,
+    memo: kopf.Memo,
+    patch: kopf.Patch,
+    server_pods: kopf.Index,
+    **_: Any,
+) -> None:
+    """Mirror the Deployment and the Ready pods into the BaseModelServer's status."""
+    namespace = namespace or ""
+    deployment = await kube.get(_ctx(memo).api, "apps/v1", "Deployment", namespace, name)
+    pods: list[PodInfo] = list(server_pods.get((namespace, name), []))
+    new = server_status(body, deployment, pods, status, reconcile.now_iso())
+    for key, value in st.status_patch(status, new, SERVER_STATUS_KEYS).items():
+        patch.status[key] = value
+
+
+# LoRAAdapter
+@kopf.daemon(*LORA, cancellation_timeout=5)  # type: ignore[arg-type]  # index kwargs are not in kopf's protocols
+async def adapter_daemon(
+    stopped: kopf.DaemonStopped,
+    body: kopf.Body,
+    name: str,
+    namespace: str | None,
+    spec: kopf.Spec,
+    meta: kopf.Meta,
+    status: kopf.Status,
+    memo: kopf.Memo,
+    logger: kopf.Logger,
+    servers: kopf.Index,
+    server_pods: kopf.Index,
+    **_: Any,
+) -> None:
+    """Reconcile rounds until the adapter is deleted (spec, meta and the indexes are live views)."""
+    ctx, namespace = _ctx(memo), namespace or ""
+    wake = ctx.wakeup(namespace, name)
+    current = dict(status)
+    while not stopped:
+        wake.clear()
+        key = (namespace, spec.get("baseModelServer"))
+        server: ServerRef | None = _first(servers, key)
+        try:
+            out = await reconcile.adapter_round(
+                ctx, name, spec, current, meta.get("generation"), server, server_pods.get(key, [])
+            )
+        except (ApiException, KeyError) as exc:  # the admin token Secret cannot be read
+            message = f"cannot read the admin token of BaseModelServer {key[1]!r}: {exc}"
+            out = reconcile.RoundOutcome(
+                st.pending_status(message, current, meta.get("generation"), reconcile.now_iso()), c.BACKOFF_MAX_S / 10
+            )
+        diff = st.status_patch(current, out.status, st.ADAPTER_STATUS_KEYS)
+        if diff:
+            try:
+                await kube.patch_status(ctx.api, c.LORA_KIND, namespace, name, diff)
+            except ApiException as exc:  # gone meanwhile, or the API server is busy: next round
+                logger.warning(f"status not written: {exc.status} {exc.reason}")
+            else:
+                _report(body, current.get("phase"), out.status, logger)
+                current = {k: v for k, v in {**current, **diff}.items() if v is not None}
+        await _sleep(wake, stopped, out.delay_s)
+
+
+def _report(body: kopf.Body, before: str | None, status: dict, logger: kopf.Logger) -> None:
+    phase = status.get("phase")
+    if phase == before:
+        return
+    message = str(status.get("message") or "")
+    logger.info(f"phase {before} -> {phase}: {message}")
+    if phase in (c.PHASE_FAILED, c.PHASE_DEGRADED):
+        kopf.warn(body, reason=str(phase), message=message)
+    else:
+        kopf.info(body, reason=str(phase), message=message)
+
+
+async def _sleep(wake: asyncio.Event, stopped: kopf.DaemonStopped, delay_s: float) -> None:
+    waits = [asyncio.ensure_future(wake.wait()), asyncio.ensure_future(stopped.wait())]
+    try:
+        await asyncio.wait(waits, timeout=delay_s, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waits:
+            w.cancel()
+
+
+@kopf.on.update(*LORA, field="spec")
+def adapter_changed(name: str, namespace: str | None, memo: kopf.Memo, **_: Any) -> None:
+    """The daemon sees the new generation and runs a forced round now instead of at its next tick."""
+    _ctx(memo).wakeup(namespace or "", name).set()
+
+
+@kopf.on.delete(*LORA)  # type: ignore[arg-type]  # index kwargs are not in kopf's protocols
+async def unload_adapter(
+    body: kopf.Body,
+    name: str,
+    namespace: str | None,
+    spec: kopf.Spec,
+    memo: kopf.Memo,
+    retry: int,
+    servers: kopf.Index,
+    server_pods: kopf.Index,
+    **_: Any,
+) -> None:
+    """Finalizer: DELETE /v1/adapters/{id} on every pod; gone pods and unknown adapters are fine."""
+    ctx, namespace = _ctx(memo), namespace or ""
+    ctx.wakeups.pop((namespace, name), None)
+    key = (namespace, spec.get("baseModelServer"))
+    server: ServerRef | None = _first(servers, key)
+    if server is None:
+        return  # no server, no pods to unload from
+    want = st.adapter_want(name, spec)
+    try:
+        errors = await reconcile.unload_everywhere(ctx, server, server_pods.get(key, []), want.adapter_id)
+    except (ApiException, KeyError) as exc:
+        errors = [f"cannot read the admin token: {exc}"]
+    if errors and retry < c.UNLOAD_RETRIES:
+        raise kopf.TemporaryError("; ".join(errors)[:1000], delay=5 * (retry + 1))
+    if errors:
+        kopf.warn(body, reason="UnloadIncomplete", message="; ".join(errors)[:1000])
+
+
+# server pods
+@kopf.on.event("v1", "pods", labels=SERVER_PODS)  # type: ignore[arg-type]  # index kwargs are not in kopf's protocols
+async def server_pod_event(
+    event: kopf.RawEvent,
+    body: kopf.Body,
+    memo: kopf.Memo,
+    logger: kopf.Logger,
+    servers: kopf.Index,
+    adapters: kopf.Index,
+    **_: Any,
+) -> None:
+    """A pod that turns Ready (new, or after a restart) gets every adapter of its server again."""
+    ctx, info = _ctx(memo), pod_info(body)
+    if info is None:
+        return
+    server: ServerRef | None = _first(servers, (info.namespace, info.server))
+    previous = ctx.pod_marks.get(info.uid)
+    mark = (info.is_ready, info.restarts)
+    if event["type"] == "DELETED":
+        ctx.pod_marks.pop(info.uid, None)
+    else:
+        ctx.pod_marks[info.uid] = mark
+    if server is None or previous == mark or event["type"] is None:
+        return  # nothing changed, or the initial listing (the adapter daemons converge on their own)
+    entries: list[tuple[str, st.AdapterWant]] = list(adapters.get((info.namespace, info.server), []))
+    restarted = previous is not None and info.restarts > previous[1]
+    if info.is_ready and (restarted or previous is None or not previous[0]):
+        ctx.forget_pod(info.url(server.port))
+        try:
+            errors = await reconcile.prewarm_pod(ctx, server, info, [w for _, w in entries])
+        except (ApiException, KeyError) as exc:
+            errors = [f"cannot read the admin token: {exc}"]
+        logger.info(f"pod {info.name} ready: {len(entries)} adapters sent, {len(errors)} failed")
+        if errors:
+            kopf.warn(body, reason="PrewarmFailed", message="; ".join(errors)[:1000])
+    elif not info.is_ready and info.ip:
+        ctx.forget_pod(info.url(server.port))
+    for adapter_name, _want in entries:  # let their status follow the pod set now
+        ctx.wakeup(info.namespace, adapter_name).set()

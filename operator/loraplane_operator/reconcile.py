@@ -1,0 +1,220 @@
+"""The operator's work behind the thin handlers: apply a server's children, run one LoRAAdapter round
+(read residency, prewarm where needed, compute status), prewarm a new pod, unload on delete."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+from kubernetes_asyncio.client.exceptions import ApiException
+
+from loraplane_operator import adapter_status as st
+from loraplane_operator import constants as c
+from loraplane_operator import kube
+from loraplane_operator.admin_client import AdminError, RetryableAdminError
+from loraplane_operator.context import OperatorContext
+from loraplane_operator.server_status import PodInfo, ServerRef, ready_pods
+
+AUTOSCALERS = ((c.HPA_API_VERSION, "HorizontalPodAutoscaler"), (c.KEDA_API_VERSION, "ScaledObject"))
+
+
+def now_iso() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def age_s(timestamp: str | None, now: str) -> float | None:
+    if not timestamp:
+        return None
+    fmt = "%Y-%m-%dT%H:%M:%SZ"
+    try:
+        return (datetime.strptime(now, fmt) - datetime.strptime(timestamp, fmt)).total_seconds()
+    except ValueError:
+        return None
+
+
+# BaseModelServer
+async def apply_children(ctx: OperatorContext, objs: Sequence[Mapping[str, Any]], namespace: str, name: str) -> None:
+    """Apply the Deployment, Service and autoscaler; delete the autoscaler kind the spec no longer asks for."""
+    for obj in objs:
+        try:
+            await kube.apply(ctx.api, obj)
+        except ApiException as exc:
+            exc.reason = f"{obj['kind']} ({obj['apiVersion']}): {exc.reason}"
+            raise
+    kinds = {o["kind"] for o in objs}
+    for api_version, kind in AUTOSCALERS:
+        if kind not in kinds:
+            await kube.delete_if_exists(ctx.api, api_version, kind, namespace, name)
+
+
+async def current_replicas(ctx: OperatorContext, namespace: str, name: str) -> int | None:
+    """The live Deployment's replicas (what an autoscaler chose), None before it exists."""
+    deployment = await kube.get(ctx.api, "apps/v1", "Deployment", namespace, name)
+    return None if deployment is None else int((deployment.get("spec") or {}).get("replicas", 1))
+
+
+async def server_token(ctx: OperatorContext, server: ServerRef) -> str | None:
+    if not server.token_secret:
+        return None
+    key = (server.namespace, server.token_secret, server.token_key)
+    return await ctx.tokens.get(
+        key, lambda: kube.read_secret_key(ctx.api, server.namespace, server.token_secret or "", server.token_key)
+    )
+
+
+# LoRAAdapter round
+@dataclass(frozen=True)
+class RoundOutcome:
+    status: dict[str, Any]
+    delay_s: float  # when the next round should run
+
+
+async def _read_row(
+    ctx: OperatorContext, pod: PodInfo, port: int, token: str | None, adapter_id: str
+) -> tuple[dict | None, str | None]:
+    url = pod.url(port)
+    try:
+        rows = await ctx.residency.rows(url, ctx.admin(url, token).list_adapters)
+    except AdminError as exc:
+        return None, exc.message
+    return rows.get(adapter_id), None
+
+
+async def _sync_pod(
+    ctx: OperatorContext,
+    pod: PodInfo,
+    port: int,
+    token: str | None,
+    want: st.AdapterWant,
+    tier: str,
+    row: dict | None,
+    *,
+    force: bool,
+    can_retry: bool,
+) -> st.PodResult:
+    """Prewarm on one pod if needed; the pod's row afterwards (or the call's error)."""
+    if not st.needs_prewarm(row, tier, force=force, can_retry=can_retry):
+        return st.PodResult(pod.name, tier, row)
+    url = pod.url(port)
+    try:
+        async with ctx.slot(url):
+            row = await ctx.admin(url, token).prewarm(want.adapter_id, want.source, tier, want.pinned)
+    except AdminError as exc:
+        return st.PodResult(pod.name, tier, row, error=exc.message, attempted=True)
+    ctx.residency.put(url, row)
+    return st.PodResult(pod.name, tier, row, attempted=True)
+
+
+def next_delay(status: Mapping[str, Any]) -> float:
+    attempts = int(status.get("attempts") or 0)
+    phase = status.get("phase")
+    if phase in (c.PHASE_LOADING, c.PHASE_DEGRADED) and 0 < attempts < c.MAX_ATTEMPTS:
+        return max(st.backoff_s(attempts), c.LOADING_POLL_S)
+    if phase == c.PHASE_LOADING and attempts == 0:
+        return c.LOADING_POLL_S
+    return c.ADAPTER_RESYNC_S
+
+
+async def adapter_round(
+    ctx: OperatorContext,
+    name: str,
+    spec: Mapping[str, Any],
+    status: Mapping[str, Any],
+    generation: int | None,
+    server: ServerRef | None,
+    pods: Iterable[PodInfo],
+) -> RoundOutcome:
+    """One reconcile round of a LoRAAdapter over every Ready pod of its server."""
+    now = now_iso()
+    want = st.adapter_want(name, spec)
+    if server is None:
+        message = f"BaseModelServer {spec.get('baseModelServer')!r} not found"
+        return RoundOutcome(st.pending_status(message, status, generation, now), c.ADAPTER_RESYNC_S)
+    live = ready_pods(pods)
+    if not live:
+        message = f"no Ready pod of BaseModelServer {server.name!r} yet"  # pod events wake the daemon
+        return RoundOutcome(st.pending_status(message, status, generation, now), c.ADAPTER_RESYNC_S)
+    token = await server_token(ctx, server)
+    force = status.get("observedGeneration") != generation
+    attempts = 0 if force else int(status.get("attempts") or 0)
+    last = None if force else status.get("lastAttemptTime")
+    can_retry = st.can_retry(attempts, age_s(last, now))
+
+    read = await asyncio.gather(*(_read_row(ctx, p, server.port, token, want.adapter_id) for p in live))
+    rows = {p.name: row for p, (row, _) in zip(live, read, strict=True)}
+    tiers = st.choose_tiers([p.name for p in live], rows, want)
+
+    async def sync(pod: PodInfo, row: dict | None, error: str | None) -> st.PodResult:
+        if error is not None:
+            return st.PodResult(pod.name, tiers[pod.name], None, error=error, attempted=True)
+        return await _sync_pod(
+            ctx, pod, server.port, token, want, tiers[pod.name], row, force=force, can_retry=can_retry
+        )
+
+    results = await asyncio.gather(*(sync(p, row, err) for p, (row, err) in zip(live, read, strict=True)))
+    retried = any(r.is_failed_attempt for r in results)
+    has_failure = st.summarize(results, want, attempts).has_failure
+    attempts = st.next_attempts(attempts, has_failure, retried)
+    new = st.adapter_status(
+        results,
+        want,
+        status,
+        attempts=attempts,
+        last_attempt=now if retried else last,
+        generation=generation,
+        now=now,
+    )
+    return RoundOutcome(new, next_delay(new))
+
+
+# pods
+async def prewarm_pod(
+    ctx: OperatorContext, server: ServerRef, pod: PodInfo, wants: Iterable[st.AdapterWant]
+) -> list[str]:
+    """Register every adapter of the server on a new or restarted pod, prewarming those meant for all pods
+    (adapters prewarmed on N pods are only registered; their own round picks the pods). Errors returned."""
+    url = pod.url(server.port)
+    ctx.residency.drop(url)
+    token = await server_token(ctx, server)
+    admin = ctx.admin(url, token)
+
+    async def one(want: st.AdapterWant) -> str | None:
+        tier = want.tier if want.replicas is None else "none"
+        try:
+            async with ctx.slot(url):
+                await admin.prewarm(want.adapter_id, want.source, tier, want.pinned)
+        except AdminError as exc:
+            return f"{want.adapter_id}: {exc.message}"
+        return None
+
+    errors = await asyncio.gather(*(one(w) for w in wants))
+    return [e for e in errors if e]
+
+
+# delete
+async def unload_everywhere(
+    ctx: OperatorContext, server: ServerRef, pods: Iterable[PodInfo], adapter_id: str
+) -> list[str]:
+    """DELETE the adapter on every pod with an IP; pods that are gone or never knew it are fine.
+    Returns the retryable errors (pod busy with the adapter's requests, 5xx) of pods still Ready."""
+    token = await server_token(ctx, server)
+
+    async def one(pod: PodInfo) -> str | None:
+        url = pod.url(server.port)
+        try:
+            async with ctx.slot(url):
+                await ctx.admin(url, token).unload(adapter_id)
+        except RetryableAdminError as exc:
+            return f"{pod.name}: {exc.message}" if pod.is_ready and exc.status is not None else None
+        except AdminError:
+            return None  # refused for good (e.g. bad token): nothing the finalizer can wait for
+        finally:
+            ctx.residency.drop(url, adapter_id)
+        return None
+
+    live = [p for p in pods if p.ip]
+    errors = await asyncio.gather(*(one(p) for p in live))
+    return [e for e in errors if e]

@@ -1,0 +1,217 @@
+"""The operator's pure manifest builders: Deployment, Service, HPA, ScaledObject, config hash, RBAC data."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import yaml
+
+from loraplane_operator import builders, rbac
+from loraplane_operator import constants as c
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def bms(**spec) -> dict:
+    return {"metadata": {"name": "smollm2", "namespace": "ml", "generation": 3}, "spec": spec}
+
+
+def sample() -> dict:
+    obj = yaml.safe_load((ROOT / "crds" / "samples" / "loraplane.dev_v1alpha1_basemodelserver.yaml").read_text())
+    obj["metadata"]["namespace"] = "ml"
+    return obj
+
+
+def container(dep: dict) -> dict:
+    (ctr,) = dep["spec"]["template"]["spec"]["containers"]
+    return ctr
+
+
+def test_deployment_defaults():
+    dep = builders.get_deployment(bms())
+    assert dep["apiVersion"] == "apps/v1" and dep["kind"] == "Deployment"
+    assert dep["metadata"]["name"] == "smollm2" and dep["metadata"]["namespace"] == "ml"
+    assert "ownerReferences" not in dep["metadata"]
+    assert dep["spec"]["replicas"] == 1
+    assert dep["spec"]["selector"]["matchLabels"] == {c.NAME_LABEL: c.APP_NAME, c.SERVER_LABEL: "smollm2"}
+    labels = dep["spec"]["template"]["metadata"]["labels"]
+    assert labels.items() >= dep["spec"]["selector"]["matchLabels"].items()
+    assert labels[c.MANAGED_BY_LABEL] == c.MANAGED_BY
+    assert dep["spec"]["strategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
+    ctr = container(dep)
+    assert ctr["command"] == ["loraplane", "serve"]
+    assert ctr["args"] == ["--model", "smollm2-135m", "--host", "$(POD_IP)", "--port", "8080"]
+    assert ctr["env"] == [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
+    assert ctr["ports"] == [{"name": "http", "containerPort": 8080, "protocol": "TCP"}]
+    assert ctr["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
+    assert ctr["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert ctr["resources"] == {"limits": {"nvidia.com/gpu": 1}}
+
+
+def test_deployment_from_the_sample():
+    dep = builders.get_deployment(sample())
+    ctr = container(dep)
+    args = ctr["args"]
+    pairs = dict(zip(args[::2], args[1::2], strict=True))
+    assert pairs["--max-loras"] == "8" and pairs["--max-lora-rank"] == "64"
+    assert pairs["--max-num-seqs"] == "64" and pairs["--max-num-batched-tokens"] == "2048"
+    assert pairs["--host-cache-bytes"] == "2GiB" and pairs["--disk-cache-bytes"] == "20GiB"
+    assert pairs["--dtype"] == "auto" and pairs["--max-queue"] == "256"
+    allowed = [args[i + 1] for i, a in enumerate(args) if a == "--adapter-source-allow"]
+    assert allowed == ["/opt/loraplane/adapters", "hf://"]
+    assert dep["spec"]["replicas"] == 2
+    assert ctr["image"] == "loraplane:latest"
+    assert ctr["resources"] == {
+        "requests": {"cpu": "2", "memory": "8Gi"},
+        "limits": {"memory": "16Gi", "nvidia.com/gpu": 1},
+    }
+
+
+def test_deployment_with_everything():
+    spec = {
+        "model": "/models/llama",
+        "command": ["python", "-m", "loraplane_server.cli", "serve"],
+        "args": ["--log-level", "debug"],
+        "port": 9000,
+        "resources": {"gpus": 0, "limits": {"cpu": 4}},
+        "nodeSelector": {"gpu": "h100"},
+        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+        "adminTokenSecretRef": {"name": "admin", "key": "tok"},
+        "env": [{"name": "HF_HUB_OFFLINE", "value": "1"}],
+        "serviceAccountName": "reader",
+    }
+    dep = builders.get_deployment(bms(**spec))
+    pod = dep["spec"]["template"]["spec"]
+    ctr = container(dep)
+    assert ctr["command"] == ["python", "-m", "loraplane_server.cli", "serve"]
+    assert ctr["args"][:6] == ["--model", "/models/llama", "--host", "$(POD_IP)", "--port", "9000"]
+    assert ctr["args"][-2:] == ["--log-level", "debug"]
+    assert ctr["resources"] == {"limits": {"cpu": 4}}  # no GPU limit for gpus: 0
+    assert {"name": "LORAPLANE_ADMIN_TOKEN", "valueFrom": {"secretKeyRef": {"name": "admin", "key": "tok"}}} in ctr[
+        "env"
+    ]
+    assert ctr["env"][0]["name"] == "POD_IP" and ctr["env"][-1] == {"name": "HF_HUB_OFFLINE", "value": "1"}
+    assert pod["nodeSelector"] == {"gpu": "h100"}
+    assert pod["tolerations"][0]["key"] == "nvidia.com/gpu"
+    assert pod["serviceAccountName"] == "reader"
+    assert pod["terminationGracePeriodSeconds"] > 30
+
+
+def test_deployment_keeps_the_autoscalers_replicas():
+    auto = {"enabled": True, "minReplicas": 2, "maxReplicas": 4}
+    assert builders.get_deployment(bms(replicas=3, autoscaling=auto))["spec"]["replicas"] == 3  # first apply
+    assert builders.get_deployment(bms(replicas=3, autoscaling=auto), 4)["spec"]["replicas"] == 4  # HPA's choice
+    assert builders.get_deployment(bms(replicas=1, autoscaling=auto), 9)["spec"]["replicas"] == 4  # clamped
+    assert builders.get_deployment(bms(replicas=1, autoscaling=auto), 0)["spec"]["replicas"] == 2
+    off = {**auto, "enabled": False}
+    assert builders.get_deployment(bms(replicas=3, autoscaling=off), 4)["spec"]["replicas"] == 3
+
+
+def test_config_hash_tracks_the_pod_shaping_spec_only():
+    base = sample()["spec"]
+    h = builders.config_hash(base)
+    assert h == builders.config_hash(copy.deepcopy(base))
+    assert h == builders.config_hash(dict(reversed(list(base.items()))))  # key order does not matter
+    scaled = {**copy.deepcopy(base), "replicas": 7, "autoscaling": {"enabled": True, "maxReplicas": 9}}
+    assert builders.config_hash(scaled) == h
+    changed = copy.deepcopy(base)
+    changed["engine"]["maxLoras"] = 16
+    assert builders.config_hash(changed) != h
+    assert builders.config_hash({**base, "image": "loraplane:v2"}) != h
+    assert builders.config_hash({**base, "adminTokenSecretRef": {"name": "other"}}) != h
+    dep = builders.get_deployment(sample())
+    assert dep["spec"]["template"]["metadata"]["annotations"] == {c.CONFIG_HASH_ANNOTATION: h}
+
+
+def test_service():
+    svc = builders.get_service(bms(port=9000))
+    assert (svc["apiVersion"], svc["kind"]) == ("v1", "Service")
+    assert svc["metadata"]["name"] == "smollm2" and svc["metadata"]["namespace"] == "ml"
+    assert svc["spec"]["selector"] == builders.get_deployment(bms())["spec"]["selector"]["matchLabels"]
+    assert svc["spec"]["ports"] == [{"name": "http", "port": 9000, "targetPort": "http", "protocol": "TCP"}]
+    assert svc["spec"]["type"] == "ClusterIP"
+
+
+def test_hpa():
+    auto = {"enabled": True, "minReplicas": 2, "maxReplicas": 6, "targetQueueDepth": 4}
+    auto["scaleDownStabilizationSeconds"] = 120
+    hpa = builders.get_autoscaler(bms(autoscaling=auto))
+    assert hpa == builders.get_hpa(bms(autoscaling=auto))
+    assert (hpa["apiVersion"], hpa["kind"]) == ("autoscaling/v2", "HorizontalPodAutoscaler")
+    spec = hpa["spec"]
+    assert spec["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "smollm2"}
+    assert (spec["minReplicas"], spec["maxReplicas"]) == (2, 6)
+    assert spec["metrics"] == [
+        {
+            "type": "Pods",
+            "pods": {
+                "metric": {"name": "loraplane_queue_depth"},
+                "target": {"type": "AverageValue", "averageValue": "4"},
+            },
+        }
+    ]
+    assert spec["behavior"] == {"scaleDown": {"stabilizationWindowSeconds": 120}}
+
+
+def test_scaled_object():
+    auto = {"enabled": True, "kind": "keda", "minReplicas": 0, "maxReplicas": 5, "targetQueueDepth": 10}
+    so = builders.get_autoscaler(bms(autoscaling=auto))
+    assert (so["apiVersion"], so["kind"]) == ("keda.sh/v1alpha1", "ScaledObject")
+    spec = so["spec"]
+    assert spec["scaleTargetRef"]["name"] == "smollm2"
+    assert (spec["minReplicaCount"], spec["maxReplicaCount"]) == (0, 5)
+    (trigger,) = spec["triggers"]
+    assert trigger["type"] == "prometheus" and trigger["metricType"] == "AverageValue"
+    assert trigger["metadata"]["threshold"] == "10"
+    assert trigger["metadata"]["query"] == 'sum(loraplane_queue_depth{namespace="ml",pod=~"smollm2-.*"})'
+    assert trigger["metadata"]["serverAddress"].startswith("http://")
+    behavior = spec["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]
+    assert behavior["scaleDown"]["stabilizationWindowSeconds"] == 300
+    custom = builders.get_scaled_object(bms(autoscaling={**auto, "query": "sum(x)", "prometheusAddress": "http://p"}))
+    assert (
+        custom["spec"]["triggers"][0]["metadata"] | {"query": "sum(x)", "serverAddress": "http://p"}
+        == custom["spec"]["triggers"][0]["metadata"]
+    )
+
+
+def test_no_autoscaler_unless_enabled():
+    assert builders.get_autoscaler(bms()) is None
+    assert builders.get_autoscaler(bms(autoscaling={"enabled": False, "kind": "keda"})) is None
+
+
+def test_selector_string_and_urls():
+    assert builders.selector_string("s") == f"{c.NAME_LABEL}=loraplane-server,{c.SERVER_LABEL}=s"
+    assert builders.pod_url("10.0.0.7", 8080) == "http://10.0.0.7:8080"
+    assert builders.pod_url("fd00::7", 8080) == "http://[fd00::7]:8080"
+
+
+def test_builders_do_not_mutate_their_input():
+    obj = sample()
+    before = copy.deepcopy(obj)
+    builders.get_deployment(obj)
+    builders.get_service(obj)
+    builders.get_hpa(obj)
+    builders.get_scaled_object(obj)
+    assert obj == before
+
+
+def test_rbac_rules_yaml_matches_the_constant():
+    path = ROOT / "operator" / "loraplane_operator" / "rbac_rules.yaml"
+    assert yaml.safe_load(path.read_text()) == rbac.RULES
+    role = rbac.cluster_role()
+    assert role["kind"] == "ClusterRole" and role["rules"] == rbac.RULES
+    granted = {(g, r) for rule in rbac.RULES for g in rule["apiGroups"] for r in rule["resources"]}
+    for need in [
+        ("loraplane.dev", "loraadapters/status"),
+        ("loraplane.dev", "basemodelservers/finalizers"),
+        ("apps", "deployments"),
+        ("autoscaling", "horizontalpodautoscalers"),
+        ("keda.sh", "scaledobjects"),
+        ("", "pods"),
+        ("", "secrets"),
+        ("", "events"),
+    ]:
+        assert need in granted
+    secrets = next(r for r in rbac.RULES if r["resources"] == ["secrets"])
+    assert secrets["verbs"] == ["get"]

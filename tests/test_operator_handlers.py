@@ -1,0 +1,181 @@
+"""The kopf handlers called directly (no cluster): kopf's indexes are plain dicts of lists here, the pods
+are real HTTP servers on 127.0.0.1, and the Kubernetes API calls and events are recorded stand-ins."""
+
+from __future__ import annotations
+
+import asyncio
+
+import kopf
+import pytest
+from test_operator_status import SPEC, FakePod, pod_body
+
+from loraplane_operator import adapter_status as st
+from loraplane_operator import constants as c
+from loraplane_operator import handlers, kube
+from loraplane_operator.admin_client import make_http_client
+from loraplane_operator.context import OperatorContext
+from loraplane_operator.server_status import ServerRef, pod_info
+
+KEY = ("ml", "smollm2")
+
+
+@pytest.fixture
+def pod():
+    p = FakePod()
+    yield p
+    p.close()
+
+
+@pytest.fixture
+def events(monkeypatch):
+    seen: list[tuple[str, str, str]] = []
+    monkeypatch.setattr(kopf, "info", lambda body, *, reason, message="": seen.append(("info", reason, message)))
+    monkeypatch.setattr(kopf, "warn", lambda body, *, reason, message="": seen.append(("warn", reason, message)))
+    return seen
+
+
+def with_ctx(coro_fn):
+    async def go():
+        async with make_http_client(timeout_s=3.0) as http:
+            memo = kopf.Memo(ctx=OperatorContext(api=None, http=http))
+            return await coro_fn(memo)
+
+    return asyncio.run(go())
+
+
+class Stopped:
+    """Stands in for kopf.DaemonStopped."""
+
+    def __init__(self) -> None:
+        self.event = asyncio.Event()
+
+    def __bool__(self) -> bool:
+        return self.event.is_set()
+
+    async def wait(self) -> None:
+        await self.event.wait()
+
+
+def test_indexes():
+    body = {"metadata": {"name": "smollm2", "namespace": "ml"}, "spec": {"port": 9000}}
+    assert handlers.servers(body=body) == {KEY: ServerRef("smollm2", "ml", 9000)}
+    assert handlers.server_pods(body=pod_body("smollm2-a")) == {KEY: pod_info(pod_body("smollm2-a"))}
+    spec = {"baseModelServer": "smollm2", "source": "/s"}
+    assert handlers.adapters(name="fr", namespace="ml", spec=spec, meta={}) == {KEY: ("fr", st.AdapterWant("fr", "/s"))}
+    assert handlers.adapters(name="fr", namespace="ml", spec=spec, meta={"deletionTimestamp": "x"}) == {}
+
+
+def test_daemon_prewarms_and_writes_status(pod, events, monkeypatch):
+    patches: list[dict] = []
+    stopped = Stopped()
+
+    async def patch_status(api, kind, namespace, name, status):
+        patches.append(status)
+        stopped.event.set()
+
+    monkeypatch.setattr(kube, "patch_status", patch_status)
+
+    async def run(memo):
+        await handlers.adapter_daemon(
+            stopped=stopped,
+            body={},
+            name="french",
+            namespace="ml",
+            spec=SPEC,
+            meta={"generation": 1},
+            status={},
+            memo=memo,
+            logger=kopf.LocalObjectLogger(body={"metadata": {"name": "french"}}, settings=kopf.OperatorSettings()),
+            servers={KEY: [ServerRef("smollm2", "ml", pod.port)]},
+            server_pods={KEY: [pod.info("smollm2-a")]},
+        )
+
+    with_ctx(run)
+    (status,) = patches
+    assert status["phase"] == "Ready" and status["ready"] == "1/1" and status["observedGeneration"] == 1
+    assert pod.posts[0]["tier"] == "device" and pod.posts[0]["pinned"] is True
+    assert events == [("info", "Ready", status["message"])]
+
+
+def test_pod_turning_ready_gets_every_adapter(pod, events):
+    wants = [
+        ("french", st.AdapterWant("french", "/a/french", "host")),
+        ("json", st.AdapterWant("json", "/a/json", "disk", replicas=1)),
+    ]
+    indexes = {"servers": {KEY: [ServerRef("smollm2", "ml", pod.port)]}, "adapters": {KEY: wants}}
+    logger = kopf.LocalObjectLogger(body={"metadata": {"name": "p"}}, settings=kopf.OperatorSettings())
+
+    def body(ready: bool, restarts: int = 0) -> dict:
+        return pod_body("smollm2-a", ready=ready, ip="127.0.0.1", restarts=restarts)
+
+    async def run(memo):
+        async def event(kind, b):
+            await handlers.server_pod_event(event={"type": kind}, body=b, memo=memo, logger=logger, **indexes)
+
+        await event(None, body(False))  # initial listing: remembered only
+        await event("MODIFIED", body(True))  # turned Ready
+        first = [(p["id"], p["tier"]) for p in pod.posts]
+        await event("MODIFIED", body(True))  # nothing changed
+        second = len(pod.posts)
+        await event("MODIFIED", body(True, restarts=1))  # restarted (a fresh process knows nothing)
+        woken = {k for k, e in memo["ctx"].wakeups.items() if e.is_set()}
+        await event("DELETED", body(False, restarts=1))
+        return first, second, woken, memo["ctx"].pod_marks
+
+    first, second, woken, marks = with_ctx(run)
+    assert first == [("french", "host"), ("json", "none")] or first == [("json", "none"), ("french", "host")]
+    assert second == 2 and len(pod.posts) == 4
+    assert woken == {("ml", "french"), ("ml", "json")}
+    assert marks == {}
+
+
+def test_initial_listing_of_a_ready_pod_sends_nothing(pod, events):
+    async def run(memo):
+        await handlers.server_pod_event(
+            event={"type": None},
+            body=pod_body("smollm2-a", ip="127.0.0.1"),
+            memo=memo,
+            logger=kopf.LocalObjectLogger(body={}, settings=kopf.OperatorSettings()),
+            servers={KEY: [ServerRef("smollm2", "ml", pod.port)]},
+            adapters={KEY: [("french", st.AdapterWant("french", "/a/french"))]},
+        )
+
+    with_ctx(run)
+    assert pod.posts == []
+
+
+def unload(memo, pod, retry: int) -> None:
+    return handlers.unload_adapter(
+        body={},
+        name="french",
+        namespace="ml",
+        spec=SPEC,
+        memo=memo,
+        retry=retry,
+        servers={KEY: [ServerRef("smollm2", "ml", pod.port)]},
+        server_pods={KEY: [pod.info("smollm2-a")]},
+    )
+
+
+def test_delete_unloads_from_every_pod(pod, events):
+    pod.adapters["french"] = {"id": "french"}
+    with_ctx(lambda memo: unload(memo, pod, 0))
+    assert pod.deletes == ["french"] and pod.adapters == {}
+    with_ctx(lambda memo: unload(memo, pod, 0))  # unknown there now: fine
+
+
+def test_delete_retries_while_the_adapter_is_busy_then_lets_go(pod, events):
+    pod.delete_status = 409
+    with pytest.raises(kopf.TemporaryError, match="in use"):
+        with_ctx(lambda memo: unload(memo, pod, 0))
+    with_ctx(lambda memo: unload(memo, pod, c.UNLOAD_RETRIES))
+    assert events and events[-1][:2] == ("warn", "UnloadIncomplete")
+
+
+def test_delete_without_server_is_a_no_op(events):
+    async def run(memo):
+        await handlers.unload_adapter(
+            body={}, name="french", namespace="ml", spec=SPEC, memo=memo, retry=0, servers={}, server_pods={}
+        )
+
+    with_ctx(run)

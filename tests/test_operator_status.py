@@ -1,0 +1,429 @@
+"""Status logic of the operator: per-pod plans, phase and residency aggregation from mixed admin API rows,
+retries and backoff, the BaseModelServer status, and one full adapter round against real HTTP pods."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from loraplane_operator import adapter_status as st
+from loraplane_operator import constants as c
+from loraplane_operator import reconcile
+from loraplane_operator.admin_client import make_http_client
+from loraplane_operator.context import OperatorContext, ResidencyCache
+from loraplane_operator.server_status import PodInfo, ServerRef, pod_info, server_phase, server_ref, server_status
+
+NOW = "2025-01-01T00:00:10Z"
+WANT = st.AdapterWant("french", "/opt/a/french", "host")
+
+
+def row(state: str = "ready", tier: str = "host", **extra) -> dict:
+    return {"id": "french", "source": "/opt/a/french", "state": state, "tier": tier, **extra}
+
+
+def result(pod: str, r: dict | None, tier: str = "host", error: str | None = None) -> st.PodResult:
+    return st.PodResult(pod, tier, r, error)
+
+
+# spec
+def test_adapter_want_defaults():
+    want = st.adapter_want("french", {"source": "/s"})
+    assert want == st.AdapterWant("french", "/s", "host", False, None)
+    spec = {"source": "hf://o/r", "adapterId": "fr", "prewarm": {"tier": "device", "replicas": 2}, "pinned": True}
+    assert st.adapter_want("french", spec) == st.AdapterWant("fr", "hf://o/r", "device", True, 2)
+    assert st.adapter_want("x", {"source": "/s", "prewarm": {"tier": "none", "replicas": 2}}).replicas is None
+
+
+# per pod
+@pytest.mark.parametrize(
+    ("r", "tier", "expected"),
+    [
+        (None, "host", "missing"),
+        (row("loading", "disk"), "host", "loading"),
+        (row("failed", "disk", last_error="bad shapes"), "host", "failed"),
+        (row("ready", "host"), "host", "ready"),
+        (row("ready", "device"), "host", "ready"),
+        (row("ready", "disk"), "host", "ready"),  # loaded once, moved down by the LRU: still serves
+        (row("registered", "disk"), "host", "cold"),
+        (row("registered", "disk"), "disk", "ready"),
+        (row("registered", "source"), "none", "ready"),
+        (row("registered", "source"), "disk", "cold"),
+    ],
+)
+def test_pod_condition(r, tier, expected):
+    assert st.pod_condition(r, tier) == expected
+
+
+def test_needs_prewarm():
+    assert st.needs_prewarm(None, "host", force=False, can_retry=False)
+    assert st.needs_prewarm(row("registered", "disk"), "host", force=False, can_retry=False)
+    assert not st.needs_prewarm(row("ready", "host"), "host", force=False, can_retry=True)
+    assert st.needs_prewarm(row("ready", "host"), "host", force=True, can_retry=True)
+    assert not st.needs_prewarm(row("loading", "disk"), "host", force=False, can_retry=True)
+    assert st.needs_prewarm(row("failed"), "host", force=False, can_retry=True)
+    assert not st.needs_prewarm(row("failed"), "host", force=True, can_retry=False)
+
+
+def test_choose_tiers_all_or_n_pods_keeping_those_that_have_it():
+    pods = ["p-a", "p-b", "p-c"]
+    assert st.choose_tiers(pods, {}, WANT) == {p: "host" for p in pods}
+    two = st.AdapterWant("french", "/s", "host", replicas=2)
+    assert st.choose_tiers(pods, {}, two) == {"p-a": "host", "p-b": "host", "p-c": "none"}
+    rows = {"p-c": row("ready", "host")}
+    assert st.choose_tiers(pods, rows, two) == {"p-a": "host", "p-b": "none", "p-c": "host"}
+    assert st.choose_tiers(pods[:1], {}, two) == {"p-a": "host"}
+
+
+def test_backoff_and_retry_budget():
+    assert [st.backoff_s(n) for n in range(1, 6)] == [5, 10, 20, 40, 80]
+    assert st.backoff_s(50) == c.BACKOFF_MAX_S
+    assert st.can_retry(0, None) and st.can_retry(2, 10.0)
+    assert not st.can_retry(2, 9.0)
+    assert not st.can_retry(c.MAX_ATTEMPTS, 10_000.0)
+    assert st.next_attempts(3, has_failure=False, retried=True) == 0
+    assert st.next_attempts(3, has_failure=True, retried=True) == 4
+    assert st.next_attempts(3, has_failure=True, retried=False) == 3
+
+
+# aggregation
+def status_of(results, want=WANT, attempts=0, previous=None, generation=2):
+    return st.adapter_status(
+        results, want, previous or {}, attempts=attempts, last_attempt=None, generation=generation, now=NOW
+    )
+
+
+def test_all_ready():
+    s = status_of([result("p-a", row(rank=8, size_bytes=1234)), result("p-b", row(tier="device"))])
+    assert s["phase"] == "Ready"
+    assert (s["readyReplicas"], s["desiredReplicas"], s["ready"]) == (2, 2, "2/2")
+    assert s["rank"] == 8 and s["sizeBytes"] == 1234
+    assert s["observedGeneration"] == 2 and s["attempts"] == 0
+    assert [e["pod"] for e in s["residency"]] == ["p-a", "p-b"]
+    assert s["residency"][1] == {"pod": "p-b", "tier": "device", "state": "ready", "since": NOW}
+    (cond,) = s["conditions"]
+    assert cond["type"] == "Ready" and cond["status"] == "True" and cond["reason"] == "Ready"
+
+
+def test_mixed_loading():
+    s = status_of([result("p-a", row()), result("p-b", row("loading", "disk"))])
+    assert s["phase"] == "Loading" and s["ready"] == "1/2"
+    assert s["conditions"][0]["status"] == "False"
+
+
+def test_mixed_ready_and_failed_is_degraded():
+    results = [
+        result("p-a", row()),
+        result("p-b", row("failed", "source", last_error="rank 128 > max 64")),
+        result("p-c", None, error="GET http://10.0.0.3:8080/v1/adapters: ConnectError"),
+    ]
+    s = status_of(results, attempts=1)
+    assert s["phase"] == "Degraded" and s["ready"] == "1/3"
+    assert "rank 128 > max 64" in s["message"] and "2/3 pods" in s["message"]
+    by_pod = {e["pod"]: e for e in s["residency"]}
+    assert by_pod["p-b"]["lastError"] == "rank 128 > max 64" and by_pod["p-b"]["state"] == "failed"
+    assert by_pod["p-c"]["state"] == "error" and by_pod["p-c"]["tier"] == "none"
+
+
+def test_all_failed_retries_then_fails():
+    results = [result("p-a", row("failed", "source", last_error="not a PEFT adapter"))]
+    retrying = status_of(results, attempts=2)
+    assert retrying["phase"] == "Loading" and "retrying (attempt 2/5)" in retrying["message"]
+    failed = status_of(results, attempts=c.MAX_ATTEMPTS)
+    assert failed["phase"] == "Failed"
+    assert "not a PEFT adapter" in failed["message"] and "after 5 attempts" in failed["message"]
+    assert failed["conditions"][0]["reason"] == "Failed"
+
+
+def test_replicas_counts_only_the_chosen_pods():
+    want = st.AdapterWant("french", "/s", "device", replicas=1)
+    results = [result("p-a", row(tier="device"), "device"), result("p-b", row("registered", "source"), "none")]
+    s = status_of(results, want)
+    assert s["phase"] == "Ready" and s["ready"] == "1/1"
+    assert len(s["residency"]) == 2
+
+
+def test_since_and_transition_time_are_kept_while_unchanged():
+    earlier = "2025-01-01T00:00:00Z"
+    previous = status_of([result("p-a", row())])
+    previous["residency"][0]["since"] = earlier
+    previous["conditions"][0]["lastTransitionTime"] = earlier
+    again = status_of([result("p-a", row()), result("p-b", row("loading", "disk"))], previous=previous)
+    assert again["residency"][0]["since"] == earlier and again["residency"][1]["since"] == NOW
+    assert again["conditions"][0]["lastTransitionTime"] == NOW  # Ready flipped to False
+    moved = status_of([result("p-a", row(tier="device"))], previous=previous)
+    assert moved["residency"][0]["since"] == NOW
+    assert moved["conditions"][0]["lastTransitionTime"] == earlier  # still Ready
+
+
+def test_pending_status():
+    s = st.pending_status("no Ready pod of BaseModelServer 'smollm2' yet", {}, 1, NOW)
+    assert s["phase"] == "Pending" and s["ready"] == "0/0" and s["residency"] == []
+
+
+def test_status_patch_sends_only_changes_and_removals():
+    current = {"phase": "Loading", "message": "loading", "attempts": 1, "kopf": {"progress": {}}}
+    desired = {"phase": "Ready", "message": "loading"}
+    assert st.status_patch(current, desired, st.ADAPTER_STATUS_KEYS) == {"phase": "Ready", "attempts": None}
+    maps = st.status_patch({"endpoints": {"a": "u1", "b": "u2"}}, {"endpoints": {"a": "u1"}}, frozenset())
+    assert maps == {"endpoints": {"a": "u1", "b": None}}
+    assert st.status_patch(desired, desired, st.ADAPTER_STATUS_KEYS) == {}
+
+
+# BaseModelServer
+def pod_body(name: str, ready: bool = True, ip: str | None = "10.0.0.1", restarts: int = 0) -> dict:
+    return {
+        "metadata": {"name": name, "namespace": "ml", "uid": f"uid-{name}", "labels": {c.SERVER_LABEL: "smollm2"}},
+        "status": {
+            "podIP": ip,
+            "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+            "containerStatuses": [{"name": "server", "restartCount": restarts}],
+        },
+    }
+
+
+def test_pod_info():
+    info = pod_info(pod_body("smollm2-a", restarts=2))
+    assert info == PodInfo("smollm2-a", "ml", "smollm2", "uid-smollm2-a", "10.0.0.1", True, 2)
+    assert info.url(8080) == "http://10.0.0.1:8080"
+    assert not pod_info(pod_body("b", ready=False)).is_ready
+    assert not pod_info(pod_body("c", ip=None)).is_ready
+    terminating = pod_body("d")
+    terminating["metadata"]["deletionTimestamp"] = NOW
+    assert not pod_info(terminating).is_ready
+    assert pod_info({"metadata": {"name": "other", "labels": {}}}) is None
+
+
+def deployment(replicas: int, ready: int, updated: int | None = None, conditions: list | None = None) -> dict:
+    status = {"replicas": replicas, "readyReplicas": ready, "updatedReplicas": replicas if updated is None else updated}
+    return {"spec": {"replicas": replicas}, "status": {**status, "conditions": conditions or []}}
+
+
+@pytest.mark.parametrize(
+    ("dep", "phase"),
+    [
+        (None, "Pending"),
+        (deployment(2, 0), "Pending"),
+        (deployment(2, 2), "Ready"),
+        (deployment(2, 1, updated=1), "Progressing"),
+        (deployment(2, 1), "Degraded"),
+        (deployment(2, 1, conditions=[{"type": "Progressing", "reason": "ProgressDeadlineExceeded"}]), "Failed"),
+        (deployment(0, 0), "Ready"),
+    ],
+)
+def test_server_phase(dep, phase):
+    desired = (dep or {}).get("spec", {}).get("replicas", 2)
+    assert server_phase(dep, desired)[0] == phase
+
+
+def test_server_status():
+    bms = {"metadata": {"name": "smollm2", "namespace": "ml", "generation": 4}, "spec": {"port": 9000}}
+    pods = [pod_info(pod_body("smollm2-b", ip="10.0.0.2")), pod_info(pod_body("smollm2-a", ready=False))]
+    s = server_status(bms, deployment(2, 1), pods, {}, NOW)
+    assert s["phase"] == "Degraded" and (s["replicas"], s["readyReplicas"]) == (2, 1)
+    assert s["endpoints"] == {"smollm2-b": "http://10.0.0.2:9000"}
+    assert s["selector"] == f"{c.NAME_LABEL}=loraplane-server,{c.SERVER_LABEL}=smollm2"
+    assert s["conditions"][0]["status"] == "False" and s["conditions"][0]["observedGeneration"] == 4
+    ref = server_ref({**bms, "spec": {"adminTokenSecretRef": {"name": "admin"}}})
+    assert ref == ServerRef("smollm2", "ml", 8080, "admin", "token")
+
+
+# caches
+def test_residency_cache_single_flight_and_ttl():
+    clock = [0.0]
+    cache = ResidencyCache(ttl_s=5.0, clock=lambda: clock[0])
+    calls = []
+
+    async def fetch():
+        calls.append(1)
+        await asyncio.sleep(0.01)
+        return [row()]
+
+    async def go():
+        many = await asyncio.gather(*(cache.rows("http://p", fetch) for _ in range(20)))
+        assert all(m == {"french": row()} for m in many)
+        clock[0] = 4.0
+        await cache.rows("http://p", fetch)
+        assert len(calls) == 1
+        cache.put("http://p", row("loading", "disk"))
+        assert (await cache.rows("http://p", fetch))["french"]["state"] == "loading"
+        clock[0] = 6.0
+        await cache.rows("http://p", fetch)
+        assert len(calls) == 2
+        cache.drop("http://p")
+        await cache.rows("http://p", fetch)
+        assert len(calls) == 3
+
+    asyncio.run(go())
+
+
+# one round against real HTTP pods
+class FakePod:
+    """A scripted pod admin API: POST registers the adapter at the asked tier, or fails it when told to."""
+
+    def __init__(self, fail_with: str | None = None) -> None:
+        self.fail_with = fail_with
+        self.delete_status: int | None = None  # e.g. 409 while "requests use it"
+        self.deletes: list[str] = []
+        self.adapters: dict[str, dict] = {}
+        self.posts: list[dict] = []
+        handler = self._handler()
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+        self.port = self.server.server_address[1]
+
+    def _handler(self) -> type[BaseHTTPRequestHandler]:
+        pod = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def _send(self, status: int, body: dict) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self) -> None:
+                self._send(200, {"object": "list", "data": list(pod.adapters.values())})
+
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+                pod.posts.append(body)
+                tier = body["tier"] if body["tier"] != "none" else "source"
+                state = "registered" if body["tier"] == "none" else "ready"
+                r = {"id": body["id"], "source": body.get("source"), "state": state, "tier": tier, "rank": 8}
+                if pod.fail_with:
+                    r.update(state="failed", tier="source", last_error=pod.fail_with)
+                pod.adapters[body["id"]] = r
+                self._send(200, r)
+
+            def do_DELETE(self) -> None:
+                adapter_id = self.path.rsplit("/", 1)[-1]
+                pod.deletes.append(adapter_id)
+                if pod.delete_status:
+                    self._send(pod.delete_status, {"error": {"message": f"adapter {adapter_id!r} is in use"}})
+                    return
+                found = pod.adapters.pop(adapter_id, None)
+                self._send(200 if found else 404, {"deleted": bool(found)})
+
+            def log_message(self, *args) -> None:
+                pass
+
+        return Handler
+
+    def info(self, name: str) -> PodInfo:
+        return PodInfo(name, "ml", "smollm2", f"uid-{name}", "127.0.0.1", True, 0)
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def fake_pods():
+    pods: list[FakePod] = []
+
+    def make(fail_with: str | None = None) -> FakePod:
+        pods.append(FakePod(fail_with))
+        return pods[-1]
+
+    yield make
+    for p in pods:
+        p.close()
+
+
+def run_round(pods: list[tuple[str, FakePod]], spec: dict, status: dict, generation: int = 1):
+    """adapter_round with each pod on its own port (the port is per server, so one server per pod here)."""
+
+    async def go():
+        async with make_http_client(timeout_s=5.0) as http:
+            ctx = OperatorContext(api=None, http=http)
+            outs = []
+            for name, pod in pods:
+                server = ServerRef("smollm2", "ml", pod.port)
+                outs.append(
+                    await reconcile.adapter_round(ctx, "french", spec, status, generation, server, [pod.info(name)])
+                )
+            return outs
+
+    return asyncio.run(go())
+
+
+SPEC = {"baseModelServer": "smollm2", "source": "/opt/a/french", "prewarm": {"tier": "device"}, "pinned": True}
+
+
+def test_round_prewarms_a_fresh_pod_then_settles(fake_pods):
+    pod = fake_pods()
+    (out,) = run_round([("smollm2-a", pod)], SPEC, {})
+    assert pod.posts == [{"id": "french", "source": "/opt/a/french", "tier": "device", "pinned": True}]
+    assert out.status["phase"] == "Ready" and out.status["ready"] == "1/1"
+    assert out.status["residency"][0]["tier"] == "device" and out.status["rank"] == 8
+    assert out.delay_s == c.ADAPTER_RESYNC_S
+    (again,) = run_round([("smollm2-a", pod)], SPEC, out.status)
+    assert len(pod.posts) == 1  # same generation, already resident: no second POST
+    assert again.status["phase"] == "Ready"
+    run_round([("smollm2-a", pod)], SPEC, out.status, generation=2)
+    assert len(pod.posts) == 2  # a spec change re-sends it
+
+
+def test_round_counts_failures_and_stops_retrying(fake_pods):
+    pod = fake_pods(fail_with="adapter rank 128 exceeds --max-lora-rank 64")
+    status: dict = {}
+    for attempt in range(1, c.MAX_ATTEMPTS + 1):
+        status = {**status, "lastAttemptTime": "2000-01-01T00:00:00Z"} if status else status
+        (out,) = run_round([("smollm2-a", pod)], SPEC, status)
+        status = out.status
+        assert status["attempts"] == attempt
+    assert status["phase"] == "Failed" and "exceeds --max-lora-rank" in status["message"]
+    posts = len(pod.posts)
+    (out,) = run_round([("smollm2-a", pod)], SPEC, {**status, "lastAttemptTime": "2000-01-01T00:00:00Z"})
+    assert len(pod.posts) == posts and out.status["phase"] == "Failed"  # retries stopped
+    (fresh,) = run_round([("smollm2-a", pod)], SPEC, status, generation=2)
+    assert len(pod.posts) == posts + 1 and fresh.status["attempts"] == 1  # a new spec starts over
+
+
+def test_round_without_pods_or_server_is_pending():
+    async def go():
+        async with make_http_client() as http:
+            ctx = OperatorContext(api=None, http=http)
+            none = await reconcile.adapter_round(ctx, "french", SPEC, {}, 1, None, [])
+            empty = await reconcile.adapter_round(ctx, "french", SPEC, {}, 1, ServerRef("smollm2", "ml", 1), [])
+            return none, empty
+
+    none, empty = asyncio.run(go())
+    assert none.status["phase"] == "Pending" and "not found" in none.status["message"]
+    assert empty.status["phase"] == "Pending" and "no Ready pod" in empty.status["message"]
+
+
+def test_unreachable_pod_is_an_error_entry():
+    async def go():
+        async with make_http_client(timeout_s=2.0) as http:
+            ctx = OperatorContext(api=None, http=http)
+            gone = PodInfo("smollm2-x", "ml", "smollm2", "u", "127.0.0.1", True, 0)
+            return await reconcile.adapter_round(ctx, "french", SPEC, {}, 1, ServerRef("smollm2", "ml", 9), [gone])
+
+    out = asyncio.run(go())
+    assert out.status["residency"][0]["state"] == "error"
+    assert out.status["phase"] == "Loading" and out.status["attempts"] == 1
+    assert out.delay_s == st.backoff_s(1)
+
+
+def test_unload_everywhere_tolerates_gone_pods(fake_pods):
+    pod = fake_pods()
+    run_round([("smollm2-a", pod)], SPEC, {})
+
+    async def go():
+        async with make_http_client(timeout_s=2.0) as http:
+            ctx = OperatorContext(api=None, http=http)
+            gone = PodInfo("smollm2-x", "ml", "smollm2", "u", "127.0.0.2", False, 0)  # nothing listens there
+            server = ServerRef("smollm2", "ml", pod.port)
+            first = await reconcile.unload_everywhere(ctx, server, [pod.info("smollm2-a"), gone], "french")
+            again = await reconcile.unload_everywhere(ctx, server, [pod.info("smollm2-a")], "french")
+            return first, again
+
+    assert asyncio.run(go()) == ([], [])
+    assert pod.adapters == {}
