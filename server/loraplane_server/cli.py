@@ -79,6 +79,12 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
         default=100,
         help="adapters with their own usage label in /metrics; the rest aggregate",
     )
+    p.add_argument(
+        "--torch-threads",
+        type=int,
+        default=0,
+        help="intra-op threads for the engine (0: torch's default; 1 avoids spin-waits on a busy shared CPU)",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -111,6 +117,7 @@ def _server_config(a: argparse.Namespace):  # noqa: ANN202 - imported lazily: ch
         max_body_bytes=a.max_body_bytes,
         shutdown_grace_s=a.shutdown_grace,
         metrics_top_adapters=a.metrics_top_adapters,
+        torch_threads=a.torch_threads,
         log_level=a.log_level,
     )
 

@@ -78,6 +78,9 @@ class ModelRunner:
             prefills=chunks,
             logits_indices=t(logits_rows),
         )
+        if lens is not None and tables is not None:
+            span = torch.arange(tables.shape[1] * bs, device=self.device)
+            batch.decode_mask = (span < batch.decode_context_lens.unsqueeze(1))[:, None, None, :]
         batch.lora = self._lora_batch(decodes, prefills, chunks)
         return t(ids), batch, samplers
 

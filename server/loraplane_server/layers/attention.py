@@ -50,16 +50,14 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
 def _decode(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch, scale: float
 ) -> torch.Tensor:
-    assert batch.decode_block_tables is not None and batch.decode_context_lens is not None
+    assert batch.decode_block_tables is not None and batch.decode_mask is not None
     bd, h, d = q.shape
     kvh = k_cache.shape[2]
     keys = _gather(k_cache, batch.decode_block_tables).transpose(1, 2)  # [Bd, KVH, L, D]
     values = _gather(v_cache, batch.decode_block_tables).transpose(1, 2)
-    length = keys.shape[2]
-    mask = torch.arange(length, device=q.device) < batch.decode_context_lens.unsqueeze(1)  # [Bd, L]
     # the query heads of one kv group ride the query-length axis: no kv repeat needed
     qg = q.view(bd, kvh, h // kvh, d)  # [Bd, KVH, G, D]
-    out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask[:, None, None, :], scale=scale)
+    out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=batch.decode_mask, scale=scale)
     return out.reshape(bd, h, d)
 
 

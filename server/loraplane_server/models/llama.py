@@ -15,7 +15,7 @@ from loraplane_server.forward_batch import ForwardBatch
 from loraplane_server.layers.attention import paged_attention
 from loraplane_server.layers.linear import ProjectionLinear
 from loraplane_server.layers.norm import RMSNorm
-from loraplane_server.layers.rotary import RotaryEmbedding
+from loraplane_server.layers.rotary import RotaryEmbedding, apply_rotary
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -78,7 +78,7 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
 
     def forward(
-        self, x: torch.Tensor, rotary: RotaryEmbedding, kv_cache: torch.Tensor, batch: ForwardBatch
+        self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], kv_cache: torch.Tensor, batch: ForwardBatch
     ) -> torch.Tensor:
         t = x.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -86,7 +86,7 @@ class Attention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = rotary(batch.positions, q, k)
+        q, k = apply_rotary(q, k, *cos_sin)
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], batch, self.scale)  # [T, H, D]
         return self.o(out.reshape(t, q_size), batch)
 
@@ -115,9 +115,9 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(args, layer_idx)
 
     def forward(
-        self, x: torch.Tensor, rotary: RotaryEmbedding, kv_cache: torch.Tensor, batch: ForwardBatch
+        self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], kv_cache: torch.Tensor, batch: ForwardBatch
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rotary, kv_cache, batch)
+        x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, batch)
         return x + self.mlp(self.post_attention_layernorm(x), batch)
 
 
@@ -136,8 +136,9 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, kv_caches: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """input_ids [T] -> logits [S, V] for the rows in batch.logits_indices."""
         x = self.embed_tokens(input_ids)  # [T, hidden]
+        cos_sin = self.rotary.cos_sin(batch.positions, x.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, self.rotary, kv_cache, batch)
+            x = layer(x, cos_sin, kv_cache, batch)
         if batch.logits_indices is not None:
             x = x[batch.logits_indices]
         x = self.norm(x)

@@ -1,0 +1,107 @@
+"""Errors as JSON bodies: OpenAI's shape on /v1 routes, LoRAX's on /, /generate and /generate_stream.
+
+OpenAI: {"error": {"message", "type", "param", "code"}}. LoRAX: {"error": message, "error_type"}.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from loraplane_server.http.lifecycle import Rejected
+
+log = logging.getLogger("loraplane.http")
+
+LORAX_PATHS = frozenset({"/", "/generate", "/generate_stream"})
+_OPENAI_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    409: "conflict_error",
+    413: "request_too_large",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "service_unavailable",
+}
+
+
+class ApiError(Exception):
+    """A request's own error: its status code and a message the caller can act on."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+
+def error_body(path: str, status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    if path in LORAX_PATHS:
+        kind = "overloaded" if status in (429, 503) else "generation" if status >= 500 else "validation"
+        return {"error": message, "error_type": kind}
+    kind = _OPENAI_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def error_response(path: str, exc: ApiError) -> JSONResponse:
+    body = error_body(path, exc.status, exc.message, exc.param, exc.code)
+    return JSONResponse(body, status_code=exc.status, headers=exc.headers)
+
+
+def rejected_error(exc: Rejected) -> ApiError:
+    return ApiError(exc.status, str(exc), code=exc.reason, headers={"Retry-After": "1"})
+
+
+def describe_validation(errors: Sequence[Any]) -> tuple[str, str | None]:
+    """Pydantic errors -> (message naming the fields, the first field's dotted name)."""
+    parts, first = [], None
+    for err in list(errors)[:4]:
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        name = ".".join(loc) or "body"
+        first = first or name
+        parts.append(f"{name}: {err.get('msg', 'invalid')}")
+    return "; ".join(parts) or "invalid request", first
+
+
+def install_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return error_response(request.url.path, exc)
+
+    @app.exception_handler(Rejected)
+    async def _rejected(request: Request, exc: Rejected) -> JSONResponse:
+        return error_response(request.url.path, rejected_error(exc))
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        if any(e.get("type") == "json_invalid" for e in errors):
+            return error_response(request.url.path, ApiError(400, "the request body is not valid JSON"))
+        message, param = describe_validation(errors)
+        return error_response(request.url.path, ApiError(422, message, param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(request.url.path, ApiError(exc.status_code, str(exc.detail), headers=exc.headers))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return error_response(request.url.path, ApiError(500, f"internal error: {type(exc).__name__}"))

@@ -1,0 +1,62 @@
+"""Prompts to token ids: encoding, the chat template, and the context-length check (400 with the limits)."""
+
+from __future__ import annotations
+
+from loraplane_server.http.errors import ApiError
+from loraplane_server.http.state import ServerState
+
+
+def encode(state: ServerState, text: str) -> list[int]:
+    engine, _ = state.require_engine()
+    return engine.tokenizer.encode(text, add_special_tokens=False)
+
+
+def decode(state: ServerState, token_ids: list[int]) -> str:
+    engine, _ = state.require_engine()
+    return engine.decode(token_ids)
+
+
+def chat_prompt(state: ServerState, messages: list[dict[str, str]]) -> str:
+    """The tokenizer's own chat template, ending with the assistant's turn."""
+    engine, _ = state.require_engine()
+    tok = engine.tokenizer
+    if not getattr(tok, "chat_template", None):
+        raise ApiError(
+            400,
+            f"{state.config.model_name} has no chat template: use /v1/completions",
+            param="messages",
+            code="no_chat_template",
+        )
+    try:
+        return tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except Exception as exc:  # noqa: BLE001 - a template may raise anything (jinja's raise_exception)
+        raise ApiError(
+            400, f"the chat template refused these messages: {exc}", param="messages", code="invalid_messages"
+        ) from exc
+
+
+def check_budget(state: ServerState, num_prompt: int, max_new: int | None, param: str) -> int:
+    """max_new (or what is left of the context when None); 400 when the prompt or the total is too long."""
+    engine, _ = state.require_engine()
+    limit = engine.max_model_len
+    if num_prompt == 0:
+        raise ApiError(400, "the prompt is empty", code="empty_prompt")
+    if num_prompt >= limit:
+        raise ApiError(
+            400,
+            f"the prompt has {num_prompt} tokens; this model's context is {limit} tokens and at "
+            "least one must be left to generate: shorten the prompt",
+            code="context_length_exceeded",
+        )
+    if max_new is None:
+        return limit - num_prompt
+    if num_prompt + max_new > limit:
+        raise ApiError(
+            400,
+            f"this model's context is {limit} tokens; the prompt has {num_prompt} and "
+            f"{param}={max_new} asks for {num_prompt + max_new} in all: reduce the prompt or {param} "
+            f"(at most {limit - num_prompt} here)",
+            param=param,
+            code="context_length_exceeded",
+        )
+    return max_new

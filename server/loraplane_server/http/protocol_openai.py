@@ -1,0 +1,77 @@
+"""OpenAI request bodies (/v1/completions, /v1/chat/completions); responses are built as plain dicts."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_STOP = 16
+MAX_TOKEN_ID = (1 << 31) - 1
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class SamplingFields(BaseModel):
+    """What the two OpenAI routes share, plus vLLM's extensions (top_k, repetition_penalty, ignore_eos)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str = Field(..., min_length=1, max_length=1024, description="the base model's name, or an adapter id")
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1, le=1 << 20, description="vLLM extension; -1 or 0 disables it")
+    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0, description="vLLM extension")
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, description="only 0 is supported")
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, description="only 0 is supported")
+    stop: str | list[str] | None = Field(None)
+    seed: int | None = Field(None, ge=0, le=(1 << 63) - 1)
+    n: int = Field(1, ge=1, le=16)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = Field(False, description="vLLM extension")
+    user: str | None = Field(None, max_length=1024)
+    logit_bias: dict[str, float] | None = Field(None, description="only an empty map is supported")
+
+    def stop_list(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(..., description="text, token ids, or a batch")
+    max_tokens: int | None = Field(16, ge=1, le=1 << 20)
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=0, description="0: the sampled tokens' logprobs")
+    suffix: str | None = Field(None, description="not supported; must be absent")
+    best_of: int | None = Field(None, ge=1, le=1)
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(p.text for p in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    max_tokens: int | None = Field(None, ge=1, le=1 << 20)
+    max_completion_tokens: int | None = Field(None, ge=1, le=1 << 20)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=0, description="only 0 is supported")
+    response_format: dict | None = Field(None, description="only {'type': 'text'} is supported")
+    tools: list[dict] | None = Field(None, description="not supported; must be absent or empty")
+    tool_choice: str | dict | None = Field(None, description="only 'none' is supported")

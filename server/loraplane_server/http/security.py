@@ -1,0 +1,70 @@
+"""Admin authentication, adapter id validation and the adapter-source allowlist."""
+
+from __future__ import annotations
+
+import hmac
+import re
+
+from fastapi import Request
+
+from loraplane_server.http.errors import ApiError
+from loraplane_server.lora.sources import AdapterSource, AdapterSourceError, is_allowed, parse_source
+
+# a plain name: it can never name a path outside a directory
+ADAPTER_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+_ADAPTER_ID = re.compile(ADAPTER_ID_PATTERN)
+
+
+def is_valid_adapter_id(adapter_id: str) -> bool:
+    return bool(_ADAPTER_ID.match(adapter_id)) and ".." not in adapter_id
+
+
+def check_adapter_id(adapter_id: str, param: str) -> str:
+    """The id itself, or a 400 that says what an id may hold."""
+    if not is_valid_adapter_id(adapter_id):
+        raise ApiError(
+            400,
+            f"invalid adapter id {adapter_id[:200]!r}: use 1-128 letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit, without '..'",
+            param=param,
+            code="invalid_adapter_id",
+        )
+    return adapter_id
+
+
+def check_source(uri: str, allow: list[str], param: str) -> AdapterSource:
+    """Parse an adapter source (400 if malformed) and check it against the allowlist (403)."""
+    try:
+        source = parse_source(uri)
+    except AdapterSourceError as exc:
+        raise ApiError(400, str(exc), param=param, code="invalid_adapter_source") from exc
+    if not is_allowed(source, allow):
+        raise ApiError(
+            403,
+            f"adapter source {source.uri!r} is not allowed on this server (allowed: "
+            f"{', '.join(allow)}; see --adapter-source-allow)",
+            param=param,
+            code="source_not_allowed",
+        )
+    return source
+
+
+def bearer_token(request: Request) -> str | None:
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+
+
+def require_admin(request: Request) -> None:
+    """FastAPI dependency: a valid `Authorization: Bearer <token>` when the server has an admin token."""
+    expected = request.app.state.server.config.admin_token
+    if expected is None:
+        return
+    given = bearer_token(request)
+    if given is None or not hmac.compare_digest(given.encode(), expected.encode()):
+        raise ApiError(
+            401,
+            "this route needs the admin token: Authorization: Bearer <token>",
+            code="unauthorized",
+            headers={"WWW-Authenticate": "Bearer"},
+        )

@@ -1,0 +1,89 @@
+"""What every route shares: the config, the lifecycle, the metrics, and the engine once it has loaded."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import torch
+from fastapi import Request
+
+from loraplane_server.async_engine import AsyncEngine
+from loraplane_server.engine import LLMEngine
+from loraplane_server.http.engine_snapshot import EngineSnapshot, take_snapshot
+from loraplane_server.http.errors import ApiError
+from loraplane_server.http.lifecycle import Lifecycle
+from loraplane_server.http.metrics import Metrics
+from loraplane_server.http.server_config import ServerConfig
+
+log = logging.getLogger("loraplane.http")
+
+
+class ServerState:
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.lifecycle = Lifecycle(config.max_queue)
+        self.metrics = Metrics(config.model_name, config.metrics_top_adapters)
+        self.engine: LLMEngine | None = None
+        self.front: AsyncEngine | None = None
+        self.special_ids: frozenset[int] = frozenset()
+        self._loads_seen = 0
+
+    async def load(self) -> None:
+        """Load the model off the event loop (so /health answers meanwhile), then mark the server ready."""
+        if self.config.torch_threads:
+            torch.set_num_threads(self.config.torch_threads)  # process-wide, the engine thread included
+        try:
+            engine = await asyncio.to_thread(LLMEngine, self.config.engine)
+        except Exception as exc:  # noqa: BLE001 - any failure to start is reported and ends the process
+            log.exception("the engine failed to start")
+            self.lifecycle.mark_failed(f"{type(exc).__name__}: {exc}")
+            return
+        if engine.tokenizer is None:
+            self.lifecycle.mark_failed(f"{engine.model_dir} has no tokenizer; the HTTP API needs one")
+            return
+        self.engine = engine
+        self.special_ids = frozenset(engine.tokenizer.all_special_ids)
+        self.front = AsyncEngine(engine)
+        self.lifecycle.mark_ready()
+        log.info(
+            "loraplane: %s ready (%s, %d KV blocks, %d adapters known)",
+            self.config.model_name,
+            engine.dtype,
+            engine.block_manager.num_blocks,
+            len(engine.adapters.records),
+        )
+
+    def close(self) -> None:
+        if self.front is not None:
+            self.front.shutdown()
+        if self.engine is not None:
+            self.engine.adapters.shutdown()
+
+    def require_engine(self) -> tuple[LLMEngine, AsyncEngine]:
+        if self.engine is None or self.front is None:
+            raise ApiError(
+                503, "the model is still loading; retry shortly", code="loading", headers={"Retry-After": "1"}
+            )
+        return self.engine, self.front
+
+    async def call(self, fn: Any) -> Any:
+        """Run fn on the engine thread (503 while loading or after shutdown)."""
+        _, front = self.require_engine()
+        try:
+            return await front.call(fn)
+        except RuntimeError as exc:
+            if "shut down" in str(exc):
+                raise ApiError(503, "the engine is shut down", code="shutting_down") from exc
+            raise
+
+    async def snapshot(self) -> EngineSnapshot:
+        engine, _ = self.require_engine()
+        snap = await self.call(lambda: take_snapshot(engine, self._loads_seen))
+        self._loads_seen = snap.num_loads_seen
+        return snap
+
+
+def get_state(request: Request) -> ServerState:
+    return request.app.state.server
