@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup model run test lint bench clean
+.PHONY: setup model run test lint bench e2e clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,10 +25,15 @@ run: model
 
 lint: setup
 	$(BIN)/ruff check .
-	$(BIN)/ruff format --check server operator tests bench
+	$(BIN)/ruff format --check server operator tests bench e2e
 
+# The e2e tests build the control plane once (cached outside the repo, ~25 min on 2 cores).
 test: model lint
-	$(BIN)/pytest -q $(PYTEST_ARGS)
+	LORAPLANE_E2E_BUILD=1 $(BIN)/pytest -q tests e2e $(PYTEST_ARGS)
+
+e2e: model
+	e2e/build_control_plane.sh
+	$(BIN)/pytest -q e2e
 
 bench: model
 	$(BIN)/python bench/engine.py

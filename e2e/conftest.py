@@ -1,0 +1,72 @@
+"""Session fixtures: the control plane binaries, a running LocalCluster with the process kubelet, kubectl."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from e2e.cluster import LocalCluster
+from e2e.kubectl import Kubectl
+
+BUILD_SCRIPT = Path(__file__).with_name("build_control_plane.sh")
+BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "e2e: needs the local Kubernetes control plane (e2e/)")
+
+
+def _bin_dir() -> Path:
+    out = subprocess.run(["bash", str(BUILD_SCRIPT), "--print-bin"], capture_output=True, text=True, check=True)
+    return Path(out.stdout.strip())
+
+
+def _is_built(bin_dir: Path) -> bool:
+    return (bin_dir / ".complete").exists() and all((bin_dir / b).exists() for b in BINARIES)
+
+
+@pytest.fixture(scope="session")
+def control_plane() -> Path:
+    """The bin dir with etcd, kube-apiserver and kube-controller-manager; builds them if allowed."""
+    bin_dir = _bin_dir()
+    if _is_built(bin_dir):
+        return bin_dir
+    if shutil.which("go") is None:
+        pytest.skip("Go is not available")
+    if os.environ.get("LORAPLANE_E2E_BUILD") != "1":
+        pytest.skip(
+            f"the control plane is not built in {bin_dir}: run e2e/build_control_plane.sh once "
+            "(tens of minutes) or set LORAPLANE_E2E_BUILD=1"
+        )
+    subprocess.run(["bash", str(BUILD_SCRIPT)], check=True)
+    return bin_dir
+
+
+@pytest.fixture(scope="session")
+def cluster(control_plane: Path) -> Iterator[LocalCluster]:
+    """etcd + kube-apiserver (RBAC) + kube-controller-manager + the process kubelet; all stopped at the end."""
+    with LocalCluster(control_plane) as local_cluster:
+        local_cluster.start_kubelet()
+        yield local_cluster
+
+
+@pytest.fixture(scope="session")
+def kubectl(cluster: LocalCluster) -> Kubectl:
+    if shutil.which("kubectl") is None:
+        pytest.skip("kubectl is not available")
+    return Kubectl(cluster.kubeconfig)
+
+
+@pytest.fixture
+def namespace(kubectl: Kubectl) -> Iterator[str]:
+    """A fresh namespace, deleted (without waiting) after the test."""
+    name = f"e2e-{uuid.uuid4().hex[:8]}"
+    kubectl("create", "namespace", name)
+    yield name
+    kubectl("delete", "namespace", name, "--wait=false")
