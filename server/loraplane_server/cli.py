@@ -162,6 +162,14 @@ def cmd_chat(a: argparse.Namespace) -> int:
         print(f"[{len(out.token_ids)} tokens, {rate:.1f} tokens/s, {out.finish_reason}]", file=sys.stderr)
 
 
+def cmd_operator(a: argparse.Namespace) -> int:
+    """Reconcile BaseModelServer and LoRAAdapter resources until SIGTERM."""
+    from loraplane_operator.main import run_operator
+
+    run_operator(namespace=a.namespace, standalone=True, liveness_endpoint=a.liveness, verbose=a.verbose)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="loraplane", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -174,6 +182,11 @@ def main(argv: list[str] | None = None) -> int:
     _engine_args(serve)
     _serve_args(serve)
     serve.set_defaults(func=cmd_serve)
+    op = sub.add_parser("operator", help="run the Kubernetes operator (kopf)")
+    op.add_argument("--namespace", default=None, help="watch one namespace (default: the whole cluster)")
+    op.add_argument("--liveness", default=None, help="liveness endpoint, e.g. http://0.0.0.0:8080/healthz")
+    op.add_argument("--verbose", action="store_true")
+    op.set_defaults(func=cmd_operator)
     a = parser.parse_args(argv)
     return a.func(a)
 

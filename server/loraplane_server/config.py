@@ -25,6 +25,7 @@ class EngineConfig:
     host_cache_bytes: int = 2 << 30
     disk_cache_bytes: int = 20 << 30
     disk_cache_dir: str | None = None  # None: <user cache>/loraplane/adapters
+    num_threads: int | None = None  # torch intra-op threads; None: torch's default
     lora_backend: str = "auto"  # auto (triton on CUDA, torch elsewhere) | torch | triton
 
     def __post_init__(self) -> None:

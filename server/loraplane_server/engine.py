@@ -44,6 +44,9 @@ class RequestOutput:
     num_cached_tokens: int = 0
     adapter_id: str | None = None
     error: str | None = None
+    arrival_time: float = 0.0  # time.monotonic() at add_request
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
 
 
 def cpu_has_bf16() -> bool:
@@ -64,6 +67,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.device = torch.device(config.device)
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.model_dir = resolve_model(config.model)
         hf_config = read_config(self.model_dir)
@@ -164,6 +169,7 @@ class LLMEngine:
         outputs, self._aborted = self._aborted, []
         outputs += self.poll_adapters()
         plan = self.scheduler.schedule()
+        self.adapters.stats.hits["device"] += plan.slot_hits
         outputs += self._load_slots(plan.slot_loads)
         scheduled = [(s, n) for s, n in plan.scheduled if not s.is_finished]
         self.last_step_tokens = sum(n for _, n in scheduled)
@@ -173,7 +179,9 @@ class LLMEngine:
             return outputs
         samplers, tokens, logprobs = self.runner.run(scheduled)
         self.num_steps += 1
+        now = time.monotonic()
         for seq, n in scheduled:
+            seq.first_scheduled_time = seq.first_scheduled_time or now
             seq.num_computed_tokens += n
             self.block_manager.commit(seq)
         now = time.monotonic()
@@ -218,6 +226,9 @@ class LLMEngine:
             num_cached_tokens=seq.num_cached_tokens,
             adapter_id=seq.adapter_id,
             error=self._errors.get(seq.request_id),
+            arrival_time=seq.arrival_time,
+            first_scheduled_time=seq.first_scheduled_time,
+            first_token_time=seq.first_token_time,
         )
 
     def _release(self, seq: Sequence) -> None:
@@ -249,7 +260,11 @@ class LLMEngine:
 
     def _load_slots(self, slot_loads: list[tuple[int, str]]) -> list[RequestOutput]:
         outputs = []
+        stats = self.adapters.stats
         for slot, adapter_id in slot_loads:
+            stats.misses["device"] += 1
+            stats.evictions["device"] += self.runner.lora_slots.adapter_in[slot] is not None
+            stats.loads["device"] += 1
             try:
                 self.runner.lora_slots.load(slot, self.adapters.weights(adapter_id))
             except (AdapterError, OSError, ValueError) as exc:

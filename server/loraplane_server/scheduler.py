@@ -27,6 +27,7 @@ class SchedulerOutput:
     scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, tokens this step)
     preempted: list[Sequence] = field(default_factory=list)
     slot_loads: list[tuple[int, str]] = field(default_factory=list)  # (slot, adapter) to copy in first
+    slot_hits: int = 0  # admissions whose adapter was already in a device slot
 
     @property
     def num_tokens(self) -> int:
@@ -155,6 +156,8 @@ class Scheduler:
             if needs_load:
                 out.slot_loads.append((slot, seq.adapter_id))
                 self._slot_since[seq.adapter_id] = self.num_steps
+            else:
+                out.slot_hits += 1
         self.block_manager.allocate(seq, n, cached)
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)

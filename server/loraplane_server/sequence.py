@@ -51,6 +51,7 @@ class Sequence:
         self.logprobs: list[float] = []
         self.output_text_len = 0  # chars of decoded text already checked for stop strings
         self.arrival_time = time.monotonic()
+        self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
 
     def __len__(self) -> int:

@@ -1,9 +1,9 @@
 """Token usage per adapter for billing-style metrics, with a bounded label set.
 
 At most `max_labels` adapters have their own series; everything else is counted under OTHER. An
-adapter that outgrows the smallest labelled one (by lifetime tokens) takes its label; the one it
-displaces stops being exported. Every exported series only ever grows, so Prometheus' rate() and
-increase() stay correct across the swaps.
+adapter that outgrows the smallest labelled one (by lifetime tokens) takes its place; the one it
+displaces stops being exported (its series goes stale) and resumes from its last value if it comes
+back. So every series only ever grows, and Prometheus' rate() and increase() stay right across swaps.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ class AdapterUsage:
         self.max_labels = max_labels
         self.labelled: dict[str, Usage] = {}
         self.other = Usage()
+        self.retired: dict[str, Usage] = {}  # displaced adapters' last exported values
         self.lifetime: dict[str, int] = {}  # adapter -> all tokens ever, for ranking
 
     def record(self, adapter: str, prompt_tokens: int, generated_tokens: int) -> None:
@@ -41,8 +42,8 @@ class AdapterUsage:
             smallest = min(self.labelled, key=lambda a: self.lifetime[a])
             if self.lifetime[smallest] >= self.lifetime[adapter]:
                 return False
-            del self.labelled[smallest]
-        self.labelled[adapter] = Usage()
+            self.retired[smallest] = self.labelled.pop(smallest)
+        self.labelled[adapter] = self.retired.pop(adapter, Usage())
         return True
 
     def series(self) -> list[tuple[str, Usage]]:

@@ -41,11 +41,11 @@ async def merged_events(gens: list[Generation]) -> AsyncIterator[tuple[int, Toke
     try:
         remaining = len(tasks)
         while remaining:
-            i, ev = await queue.get()
-            if ev is None:
+            i, item = await queue.get()
+            if item is None:
                 remaining -= 1
                 continue
-            yield i, ev
+            yield i, item
     finally:
         for t in tasks:
             t.cancel()

@@ -99,7 +99,8 @@ def install_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(request.url.path, ApiError(exc.status_code, str(exc.detail), headers=exc.headers))
+        headers = dict(exc.headers) if exc.headers else None
+        return error_response(request.url.path, ApiError(exc.status_code, str(exc.detail), headers=headers))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

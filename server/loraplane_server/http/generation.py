@@ -114,6 +114,11 @@ class Generation:
         async for _ in self.events():
             pass
 
+    def abort(self) -> None:
+        """Stop the request in the engine now; its stream then ends with finish_reason "abort"."""
+        if self._stream is not None and self.state.front is not None:
+            self.state.front.abort(self.request_id)
+
     async def close(self) -> None:
         """Abort if unfinished, free the admission, record the metrics. Idempotent."""
         if self._closed:

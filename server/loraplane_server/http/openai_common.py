@@ -95,8 +95,8 @@ async def sse_stream(
 ) -> AsyncIterator[bytes]:
     """head chunks, one chunk per event worth sending, tail chunks, then [DONE]; always closes the generations."""
     try:
-        for c in head:
-            yield sse(c)
+        for first in head:
+            yield sse(first)
         async for i, ev in merged_events(gens):
             if ev.token_id is None and ev.finish_reason in ("error", "abort"):
                 yield sse(error_body(path, 500, f"choice {i}: {ev.error or 'the request was aborted'}"))
@@ -104,8 +104,8 @@ async def sse_stream(
             c = chunk(i, ev)
             if c is not None:
                 yield sse(c)
-        for c in tail():
-            yield sse(c)
+        for last in tail():
+            yield sse(last)
         yield sse("[DONE]")
     finally:
         await close_all(gens)

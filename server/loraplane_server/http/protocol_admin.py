@@ -12,26 +12,26 @@ from loraplane_server.http.security import ADAPTER_ID_PATTERN
 class AdapterCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    id: str = Field(..., pattern=ADAPTER_ID_PATTERN, description="a plain name: letters, digits, '.', '_', '-'")
+    id: str = Field(pattern=ADAPTER_ID_PATTERN, description="a plain name: letters, digits, '.', '_', '-'")
     source: str | None = Field(
-        None,
+        default=None,
         min_length=1,
         max_length=2048,
         description="local path, file://, hf://org/repo[@rev], s3://bucket/prefix or an "
         "http(s) archive; omit to act on an adapter already known",
     )
-    tier: Literal["device", "host", "disk", "none"] = Field("host", description="prewarm up to this tier")
-    pinned: bool | None = Field(None, description="keep it resident (never evicted); omit to leave as is")
-    wait: bool = Field(False, description="answer once the adapter reached the tier (or failed)")
-    timeout_s: float = Field(60.0, gt=0.0, le=600.0, description="how long wait may take")
+    tier: Literal["device", "host", "disk", "none"] = Field(default="host", description="prewarm up to this tier")
+    pinned: bool | None = Field(default=None, description="keep it resident (never evicted); omit to leave as is")
+    wait: bool = Field(default=False, description="answer once the adapter reached the tier (or failed)")
+    timeout_s: float = Field(default=60.0, gt=0.0, le=600.0, description="how long wait may take")
 
 
 class LoadLoraAdapterRequest(BaseModel):
-    lora_name: str = Field(..., min_length=1, max_length=1024)
-    lora_path: str = Field(..., min_length=1, max_length=2048)
+    lora_name: str = Field(min_length=1, max_length=1024)
+    lora_path: str = Field(min_length=1, max_length=2048)
     load_inplace: bool = False
 
 
 class UnloadLoraAdapterRequest(BaseModel):
-    lora_name: str = Field(..., min_length=1, max_length=1024)
+    lora_name: str = Field(min_length=1, max_length=1024)
     lora_int_id: int | None = None

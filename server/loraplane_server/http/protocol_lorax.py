@@ -12,38 +12,38 @@ MAX_STOP = 16
 class LoraxParameters(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    adapter_id: str | None = Field(None, max_length=1024, description="adapter to apply; none: the base model")
+    adapter_id: str | None = Field(default=None, max_length=1024, description="adapter to apply; none: the base model")
     adapter_source: str | None = Field(
-        None,
+        default=None,
         max_length=2048,
         description="register adapter_id on the fly: hub | local | s3 (LoRAX kinds) or a source URI; "
         "subject to the server's allowlist",
     )
     api_token: str | None = None
-    merged_adapters: dict | None = Field(None, description="not supported; must be absent")
+    merged_adapters: dict | None = Field(default=None, description="not supported; must be absent")
     do_sample: bool = False
-    max_new_tokens: int | None = Field(None, ge=1, le=1 << 20)
+    max_new_tokens: int | None = Field(default=None, ge=1, le=1 << 20)
     ignore_eos_token: bool = False
-    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)
     return_full_text: bool = False
     stop: list[str] = Field(default_factory=list, max_length=MAX_STOP)
-    seed: int | None = Field(None, ge=0, le=(1 << 63) - 1)
-    temperature: float | None = Field(None, ge=0.0, le=100.0)
-    top_k: int | None = Field(None, ge=0, le=1 << 20)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    truncate: int | None = Field(None, ge=1, le=1 << 20)
-    typical_p: float | None = Field(None, gt=0.0, le=1.0)
-    best_of: int | None = Field(None, ge=1, le=1)
+    seed: int | None = Field(default=None, ge=0, le=(1 << 63) - 1)
+    temperature: float | None = Field(default=None, ge=0.0, le=100.0)
+    top_k: int | None = Field(default=None, ge=0, le=1 << 20)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    truncate: int | None = Field(default=None, ge=1, le=1 << 20)
+    typical_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    best_of: int | None = Field(default=None, ge=1, le=1)
     watermark: bool = False
     details: bool = False
     decoder_input_details: bool = False
-    return_k_alternatives: int | None = Field(None, ge=0, le=0)
-    response_format: dict | None = Field(None, description="not supported; must be absent")
+    return_k_alternatives: int | None = Field(default=None, ge=0, le=0)
+    response_format: dict | None = Field(default=None, description="not supported; must be absent")
 
 
 class GenerateRequest(BaseModel):
-    inputs: str = Field(..., min_length=1)
-    parameters: LoraxParameters = Field(default_factory=LoraxParameters)
+    inputs: str = Field(min_length=1)
+    parameters: LoraxParameters = Field(default_factory=lambda: LoraxParameters())
     stream: bool = False
 
 

@@ -19,33 +19,33 @@ class SamplingFields(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    model: str = Field(..., min_length=1, max_length=1024, description="the base model's name, or an adapter id")
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1, le=1 << 20, description="vLLM extension; -1 or 0 disables it")
-    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0, description="vLLM extension")
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, description="only 0 is supported")
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, description="only 0 is supported")
-    stop: str | list[str] | None = Field(None)
-    seed: int | None = Field(None, ge=0, le=(1 << 63) - 1)
-    n: int = Field(1, ge=1, le=16)
+    model: str = Field(min_length=1, max_length=1024, description="the base model's name, or an adapter id")
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1, le=1 << 20, description="vLLM extension; -1 or 0 disables it")
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0, description="vLLM extension")
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0, description="only 0 is supported")
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0, description="only 0 is supported")
+    stop: str | list[str] | None = Field(default=None)
+    seed: int | None = Field(default=None, ge=0, le=(1 << 63) - 1)
+    n: int = Field(default=1, ge=1, le=16)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    ignore_eos: bool = Field(False, description="vLLM extension")
-    user: str | None = Field(None, max_length=1024)
-    logit_bias: dict[str, float] | None = Field(None, description="only an empty map is supported")
+    ignore_eos: bool = Field(default=False, description="vLLM extension")
+    user: str | None = Field(default=None, max_length=1024)
+    logit_bias: dict[str, float] | None = Field(default=None, description="only an empty map is supported")
 
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]] = Field(..., description="text, token ids, or a batch")
-    max_tokens: int | None = Field(16, ge=1, le=1 << 20)
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(description="text, token ids, or a batch")
+    max_tokens: int | None = Field(default=16, ge=1, le=1 << 20)
     echo: bool = False
-    logprobs: int | None = Field(None, ge=0, le=0, description="0: the sampled tokens' logprobs")
-    suffix: str | None = Field(None, description="not supported; must be absent")
-    best_of: int | None = Field(None, ge=1, le=1)
+    logprobs: int | None = Field(default=None, ge=0, le=0, description="0: the sampled tokens' logprobs")
+    suffix: str | None = Field(default=None, description="not supported; must be absent")
+    best_of: int | None = Field(default=None, ge=1, le=1)
 
 
 class TextPart(BaseModel):
@@ -67,11 +67,11 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage] = Field(..., min_length=1)
-    max_tokens: int | None = Field(None, ge=1, le=1 << 20)
-    max_completion_tokens: int | None = Field(None, ge=1, le=1 << 20)
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=1 << 20)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=1 << 20)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=0, description="only 0 is supported")
-    response_format: dict | None = Field(None, description="only {'type': 'text'} is supported")
-    tools: list[dict] | None = Field(None, description="not supported; must be absent or empty")
-    tool_choice: str | dict | None = Field(None, description="only 'none' is supported")
+    top_logprobs: int | None = Field(default=None, ge=0, le=0, description="only 0 is supported")
+    response_format: dict | None = Field(default=None, description="only {'type': 'text'} is supported")
+    tools: list[dict] | None = Field(default=None, description="not supported; must be absent or empty")
+    tool_choice: str | dict | None = Field(default=None, description="only 'none' is supported")

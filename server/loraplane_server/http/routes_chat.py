@@ -5,12 +5,14 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from loraplane_server.http.adapter_routing import openai_adapter
 from loraplane_server.http.choices import close_all, start_all
+from loraplane_server.http.disconnect import abort_on_disconnect
 from loraplane_server.http.errors import ApiError
 from loraplane_server.http.generation import Generation, TokenEvent
 from loraplane_server.http.openai_common import (
@@ -31,7 +33,7 @@ from loraplane_server.http.sse import SSEResponse
 from loraplane_server.http.state import ServerState, get_state
 
 router = APIRouter(tags=["openai"])
-_DOC = {200: {"content": {"application/json": {}, "text/event-stream": {}}}}
+_DOC: dict[int | str, dict[str, Any]] = {200: {"content": {"application/json": {}, "text/event-stream": {}}}}
 
 
 @router.post("/v1/chat/completions", responses=_DOC)
@@ -52,7 +54,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     if body.stream:
         return SSEResponse(_stream(state, body, gens, rid, ts), headers=headers(gens, rid))
     try:
-        await asyncio.gather(*(g.run() for g in gens))
+        async with abort_on_disconnect(request, gens):
+            await asyncio.gather(*(g.run() for g in gens))
     finally:
         await close_all(gens)
     for g in gens:

@@ -5,12 +5,14 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from loraplane_server.http.adapter_routing import openai_adapter
 from loraplane_server.http.choices import close_all, start_all
+from loraplane_server.http.disconnect import abort_on_disconnect
 from loraplane_server.http.errors import ApiError
 from loraplane_server.http.generation import Generation, TokenEvent
 from loraplane_server.http.openai_common import (
@@ -31,7 +33,7 @@ from loraplane_server.http.sse import SSEResponse
 from loraplane_server.http.state import ServerState, get_state
 
 router = APIRouter(tags=["openai"])
-_DOC = {200: {"content": {"application/json": {}, "text/event-stream": {}}}}
+_DOC: dict[int | str, dict[str, Any]] = {200: {"content": {"application/json": {}, "text/event-stream": {}}}}
 
 
 @router.post("/v1/completions", responses=_DOC)
@@ -57,7 +59,8 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     if body.stream:
         return SSEResponse(_stream(state, body, gens, texts, rid, ts), headers=headers(gens, rid))
     try:
-        await asyncio.gather(*(g.run() for g in gens))
+        async with abort_on_disconnect(request, gens):
+            await asyncio.gather(*(g.run() for g in gens))
     finally:
         await close_all(gens)
     for g in gens:
@@ -81,12 +84,14 @@ def _prompts(state: ServerState, body: CompletionRequest) -> tuple[list[str], li
         return [p], [encode(state, p)]
     if not p:
         raise ApiError(400, "the prompt is empty", param="prompt", code="empty_prompt")
-    if all(isinstance(x, int) for x in p):
-        ids = list(p)  # type: ignore[arg-type]
-        return [decode(state, ids)], [ids]
-    if all(isinstance(x, str) for x in p):
-        return list(p), [encode(state, x) for x in p]  # type: ignore[arg-type]
-    return [decode(state, x) for x in p], [list(x) for x in p]  # type: ignore[arg-type, union-attr]
+    ints = [x for x in p if isinstance(x, int)]
+    if len(ints) == len(p):
+        return [decode(state, ints)], [ints]
+    texts = [x for x in p if isinstance(x, str)]
+    if len(texts) == len(p):
+        return texts, [encode(state, x) for x in texts]
+    batch = [x for x in p if isinstance(x, list)]
+    return [decode(state, x) for x in batch], batch
 
 
 def _logprobs(state: ServerState, gen: Generation, offset: int) -> dict:

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from loraplane_server.http.adapter_routing import lorax_adapter
+from loraplane_server.http.disconnect import abort_on_disconnect
 from loraplane_server.http.generation import Generation, TokenEvent
 from loraplane_server.http.prompting import check_budget, decode, encode
 from loraplane_server.http.protocol_lorax import GenerateRequest, GenerateResponse
@@ -25,14 +27,16 @@ _NAMES = {
     "stop": "parameters.stop",
     "repetition_penalty": "parameters.repetition_penalty",
 }
-_SSE_DOC = {200: {"content": {"text/event-stream": {}}, "description": "server-sent events, one per token"}}
+_SSE_DOC: dict[int | str, dict[str, Any]] = {
+    200: {"content": {"text/event-stream": {}}, "description": "server-sent events, one per token"}
+}
 
 router = APIRouter(tags=["lorax"])
 
 
 @router.post("/generate", response_model=GenerateResponse)
 async def generate(body: GenerateRequest, request: Request) -> Response:
-    data, headers = await _generate(get_state(request), body)
+    data, headers = await _generate(get_state(request), body, request)
     return JSONResponse(data, headers=headers)
 
 
@@ -47,7 +51,7 @@ async def compat_generate(body: GenerateRequest, request: Request) -> Response:
     state = get_state(request)
     if body.stream:
         return await _stream(state, body)
-    data, headers = await _generate(state, body)
+    data, headers = await _generate(state, body, request)
     return JSONResponse([data], headers=headers)
 
 
@@ -101,14 +105,15 @@ def _token(ev: TokenEvent) -> dict:
     return {"id": ev.token_id, "text": ev.text, "logprob": ev.logprob, "special": ev.special and not ev.text}
 
 
-async def _generate(state: ServerState, body: GenerateRequest) -> tuple[dict, dict[str, str]]:
+async def _generate(state: ServerState, body: GenerateRequest, request: Request) -> tuple[dict, dict[str, str]]:
     gen, seed = await _prepare(state, body)
     tokens = []
     try:
         await gen.start()
-        async for ev in gen.events():
-            if ev.token_id is not None:
-                tokens.append(_token(ev))
+        async with abort_on_disconnect(request, [gen]):
+            async for ev in gen.events():
+                if ev.token_id is not None:
+                    tokens.append(_token(ev))
     finally:
         await gen.close()
     gen.raise_if_failed()

@@ -16,7 +16,7 @@ _ADAPTER_ID = re.compile(ADAPTER_ID_PATTERN)
 
 
 def is_valid_adapter_id(adapter_id: str) -> bool:
-    return bool(_ADAPTER_ID.match(adapter_id)) and ".." not in adapter_id
+    return bool(_ADAPTER_ID.fullmatch(adapter_id)) and ".." not in adapter_id
 
 
 def check_adapter_id(adapter_id: str, param: str) -> str:

@@ -27,8 +27,8 @@ class GracefulServer(uvicorn.Server):
         self.grace_s = grace_s
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if self.lifecycle.phase == Phase.DRAINING or self.lifecycle.phase == Phase.LOADING:
-            self.should_exit = True  # a second signal, or nothing to drain yet
+        if self.lifecycle.phase != Phase.READY:
+            self.should_exit = True  # a second signal, or nothing to drain (loading, failed)
             return
         log.info(
             "loraplane: signal %d, draining %d requests (grace %.0fs)", sig, self.lifecycle.num_inflight, self.grace_s

@@ -1,0 +1,177 @@
+"""The HTTP layer's plain parts, without a server: streamed text deltas, bounded usage labels,
+admission and draining, error shapes, id validation, per-app metrics, and the serve command line."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from loraplane_server import cli
+from loraplane_server.http.adapter_usage import OTHER, AdapterUsage
+from loraplane_server.http.errors import error_body
+from loraplane_server.http.lifecycle import Lifecycle, Rejected
+from loraplane_server.http.metrics import Metrics
+from loraplane_server.http.security import is_valid_adapter_id
+from loraplane_server.http.server_config import ServerConfig, parse_bytes
+from loraplane_server.http.text_delta import TextDelta
+
+
+def test_streamed_pieces_add_up_to_the_final_text_despite_stop_strings() -> None:
+    delta = TextDelta(["\n\nUser:"])
+    steps = [
+        ("Hel", False),
+        ("Hello", False),
+        ("Hello\n", False),
+        ("Hello\n\n", False),
+        ("Hello\n\nUs", False),
+        ("Hello", True),
+    ]  # the engine trims the stop string from the final text
+    pieces = [delta.push(text, done) for text, done in steps]
+    assert pieces[:3] == ["Hel", "lo", ""]  # "\n" may start the stop string: held back
+    assert "".join(pieces) == "Hello"
+
+
+def test_a_cut_multibyte_character_is_held_until_complete() -> None:
+    delta = TextDelta()
+    assert delta.push("caf\ufffd", False) == "caf"
+    assert delta.push("café", False) == "é"
+    assert delta.push("café!", True) == "!"
+
+
+def test_held_back_text_is_flushed_when_the_stop_string_does_not_follow() -> None:
+    delta = TextDelta(["END"])
+    assert delta.push("the E", False) == "the "  # "E" may start "END"
+    assert delta.push("the En", False) == "En"  # "En" cannot
+    assert delta.push("the End.", True) == "d."
+
+
+def test_usage_labels_stay_bounded_and_every_series_only_grows() -> None:
+    usage = AdapterUsage(max_labels=3)
+    seen: dict[str, tuple[int, int]] = {}
+    for i in range(300):
+        adapter = f"a{i % 10}" if i % 3 else "hot"
+        usage.record(adapter, prompt_tokens=5, generated_tokens=(i % 7) + 1)
+        series = dict(usage.series())
+        assert len(series) <= 4  # three adapters and OTHER
+        for label, u in series.items():
+            old = seen.get(label, (0, 0))
+            assert u.prompt_tokens >= old[0] and u.generated_tokens >= old[1], (label, old, u)
+            seen[label] = (u.prompt_tokens, u.generated_tokens)
+    final = dict(usage.series())
+    assert "hot" in final and OTHER in final  # the busiest adapter has its own label
+    assert usage.retired  # labels did change hands
+
+
+def test_admission_queue_limit_and_draining() -> None:
+    life = Lifecycle(max_queue=2)
+    with pytest.raises(Rejected) as exc:
+        life.admit()
+    assert exc.value.status == 503  # still loading
+    life.mark_ready()
+    life.admit()
+    life.admit()
+    with pytest.raises(Rejected) as exc:
+        life.admit()
+    assert exc.value.status == 429 and exc.value.reason == "queue_full"
+    life.started()  # one got its first token: room for one more
+    life.admit()
+    life.begin_drain(grace_s=60)
+    assert not life.is_ready and not life.can_exit  # three in flight
+    with pytest.raises(Rejected) as exc:
+        life.admit()
+    assert exc.value.status == 503 and exc.value.reason == "draining"
+    for _ in range(3):
+        life.finished()
+    assert life.can_exit
+    late = Lifecycle(max_queue=1)
+    late.mark_ready()
+    late.admit()
+    late.begin_drain(grace_s=0.01)
+    time.sleep(0.02)
+    assert late.can_exit  # out of time
+
+
+def test_error_bodies_follow_each_api() -> None:
+    assert error_body("/generate", 422, "bad") == {"error": "bad", "error_type": "validation"}
+    assert error_body("/generate_stream", 429, "busy")["error_type"] == "overloaded"
+    body = error_body("/v1/completions", 404, "no such model", code="adapter_not_found")
+    assert body == {
+        "error": {"message": "no such model", "type": "not_found_error", "param": None, "code": "adapter_not_found"}
+    }
+
+
+@pytest.mark.parametrize("adapter_id", ["french", "a-1", "v1.2_x", "A" * 128])
+def test_plain_adapter_ids_are_valid(adapter_id: str) -> None:
+    assert is_valid_adapter_id(adapter_id)
+
+
+@pytest.mark.parametrize(
+    "adapter_id", ["", "..", "../x", "a/b", "/abs", "a..b", ".hidden", "-x", "a\\b", "é", "A" * 129, "x\n", "a b"]
+)
+def test_path_like_adapter_ids_are_refused(adapter_id: str) -> None:
+    assert not is_valid_adapter_id(adapter_id)
+
+
+def test_each_app_has_its_own_metrics_registry() -> None:
+    one, two = Metrics("base", 10), Metrics("base", 10)
+    one.record_request("lorax", "french", "length", 7, 3, 0.1, 0.5)
+
+    def samples(m: Metrics) -> dict:
+        text = m.render().decode()
+        return {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for f in text_string_to_metric_families(text)
+            for s in f.samples
+        }
+
+    a, b = samples(one), samples(two)
+    assert a[("loraplane_prompt_tokens_total", ())] == 7 and b[("loraplane_prompt_tokens_total", ())] == 0
+    assert a[("loraplane_adapter_generation_tokens_total", (("adapter", "french"),))] == 3
+    assert ("loraplane_adapter_generation_tokens_total", (("adapter", "french"),)) not in b
+    assert b[("vllm:num_requests_waiting", ())] == 0
+
+
+def test_sizes_and_config_validation() -> None:
+    assert parse_bytes("2GiB") == 2 << 30 and parse_bytes("512MiB") == 512 << 20 and parse_bytes("1000") == 1000
+    with pytest.raises(ValueError):
+        parse_bytes("lots")
+    with pytest.raises(ValueError, match="max_queue"):
+        ServerConfig(max_queue=0)
+    with pytest.raises(ValueError, match="admin token"):
+        ServerConfig(admin_token="short")
+
+
+def test_serve_builds_one_config_from_flags_and_environment(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    import loraplane_server.http.server as http_server
+
+    got: list[ServerConfig] = []
+    monkeypatch.setattr(http_server, "serve", lambda config: got.append(config) or 0)
+    monkeypatch.setenv("LORAPLANE_ADMIN_TOKEN", "from-the-environment")
+    argv = [
+        "serve",
+        "--adapter-dir",
+        str(tmp_path),
+        "--port",
+        "9000",
+        "--max-queue",
+        "7",
+        "--max-loras",
+        "3",
+        "--adapter-source-allow",
+        "s3://bucket/",
+        "--adapter-source-allow",
+        "hf://org/",
+        "--host-cache-bytes",
+        "1GiB",
+        "--dtype",
+        "float32",
+    ]
+    assert cli.main(argv) == 0
+    (config,) = got
+    assert config.port == 9000 and config.max_queue == 7 and config.engine.max_loras == 3
+    assert config.engine.host_cache_bytes == 1 << 30 and config.engine.dtype == "float32"
+    assert config.admin_token == "from-the-environment" and config.model_name == "smollm2-135m"
+    assert config.allowlist == [str(tmp_path), "s3://bucket/", "hf://org/"]
+    assert ServerConfig().allowlist == ["hf://"]
