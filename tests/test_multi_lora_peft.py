@@ -11,6 +11,7 @@ import pytest
 from lora_helpers import ADAPTER_SPECS, make_peft_adapter, peft_greedy
 from loraplane_server.config import EngineConfig
 from loraplane_server.engine import LLMEngine
+from loraplane_server.lora.batch import LoRABatch
 from loraplane_server.sampling_params import SamplingParams
 
 
@@ -74,8 +75,11 @@ def check_against_peft(base_dir: Path, tmp: Path, vocab: int, max_loras: int, b_
     return engine
 
 
-@pytest.mark.parametrize("max_loras", [4, 2])
-def test_tiny_mixed_batch_matches_peft(tiny_llama_dir: Path, tmp_path: Path, max_loras: int) -> None:
+@pytest.mark.parametrize(("max_loras", "dense_max"), [(4, 16), (2, 16), (4, 0)], ids=["dense", "dense-2", "bgmv"])
+def test_tiny_mixed_batch_matches_peft(
+    tiny_llama_dir: Path, tmp_path: Path, max_loras: int, dense_max: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(LoRABatch, "DENSE_MAX_SLOTS", dense_max)  # both decode paths
     check_against_peft(tiny_llama_dir, tmp_path, 512, max_loras, b_scale=1.0)
 
 

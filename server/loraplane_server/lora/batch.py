@@ -1,7 +1,10 @@
 """Per-step LoRA compute: every token carries a slot; all adapters in one pass.
 
-Torch path (CPU): decode tokens gather their slot's A and B and run two batched matmuls (BGMV);
-prefill tokens come in contiguous chunks of one sequence, merged into runs of one slot and
+Torch path (CPU), decode tokens: with few distinct adapters among them, the used slots' A and B
+are gathered once and every token multiplies against all of them, its own slot's columns kept by
+a one-hot mask (dense: plain matmuls, small weight traffic); with many, each token gathers its
+own slot's A and B for two batched matmuls (BGMV: weight traffic per token, FLOPs per token).
+Prefill tokens come in contiguous chunks of one sequence, merged into runs of one slot and
 multiplied per run (segments by adapter). No Python loop over requests.
 Triton path (CUDA, or TRITON_INTERPRET=1): the same segments in one SGMV launch per matmul.
 """
@@ -15,6 +18,8 @@ from loraplane_server.lora.slots import LoRASlots
 
 
 class LoRABatch:
+    DENSE_MAX_SLOTS = 16  # distinct decode adapters up to which the dense path beats BGMV on CPU
+
     def __init__(
         self,
         slots: LoRASlots,
@@ -37,6 +42,15 @@ class LoRABatch:
             if any(s != slots.none_slot for s in decode_slots)
             else None
         )
+        decode_used = sorted({s for s in decode_slots if s != slots.none_slot})
+        self.dense = None
+        if 0 < len(decode_used) <= self.DENSE_MAX_SLOTS and not use_triton:
+            pos = {s: i for i, s in enumerate(decode_used)}
+            onehot = torch.zeros(len(decode_slots), len(decode_used), device=device)  # [Bd, U]
+            for row, s in enumerate(decode_slots):
+                if s in pos:
+                    onehot[row, pos[s]] = 1.0
+            self.dense = (torch.tensor(decode_used, device=device), onehot)
         self.segments = segments
         self.use_triton = use_triton
         if use_triton:
@@ -56,7 +70,9 @@ class LoRABatch:
             return self._apply_triton(layer.kind, a, b, x, out)
         nd = self.num_decode
         w = self.decode_width[layer.kind]
-        if self.decode_slots is not None and w:
+        if self.dense is not None and w:
+            self._decode_dense(a, b, w, x[:nd], out[:nd])
+        elif self.decode_slots is not None and w:
             h = torch.bmm(a[:, :w][self.decode_slots], x[:nd].unsqueeze(-1))  # [Bd, w, 1]
             out[:nd] += torch.bmm(b[:, :, :w][self.decode_slots], h).squeeze(-1)  # [Bd, out]
         for start, end, slot in self.segments:
@@ -64,6 +80,15 @@ class LoRABatch:
             if w:
                 out[start:end] += (x[start:end] @ a[slot, :w].T) @ b[slot, :, :w].T
         return out
+
+    def _decode_dense(self, a: torch.Tensor, b: torch.Tensor, w: int, x: torch.Tensor, out: torch.Tensor) -> None:
+        assert self.dense is not None
+        used, onehot = self.dense
+        u = used.numel()
+        a_used = a[used, :w].reshape(u * w, -1)  # [U*w, in]
+        b_used = b[used, :, :w].permute(1, 0, 2).reshape(b.shape[1], u * w)  # [out, U*w]
+        h = (x @ a_used.T).view(-1, u, w) * onehot.to(x.dtype).unsqueeze(-1)  # [Bd, U, w], own slot only
+        out += h.view(-1, u * w) @ b_used.T
 
     # triton
     def _build_triton_segments(self, decode_slots: list[int], device: torch.device) -> None:
