@@ -19,35 +19,30 @@ and draws a plot next to it (.png) when matplotlib is installed.
 
 from __future__ import annotations
 
+import argparse
+import asyncio
+import json
 import os
+import platform
+import random
+import shutil
+import signal
+import socket
+import subprocess
 import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
-# this file is named http.py: drop its directory from the path so the stdlib's http package wins
-if sys.path and os.path.abspath(sys.path[0] or ".") == os.path.dirname(os.path.abspath(__file__)):
-    sys.path.pop(0)
+import httpx
+import torch
+from safetensors.torch import load_file, save_file
 
-import argparse  # noqa: E402
-import asyncio  # noqa: E402
-import json  # noqa: E402
-import platform  # noqa: E402
-import random  # noqa: E402
-import shutil  # noqa: E402
-import signal  # noqa: E402
-import socket  # noqa: E402
-import subprocess  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from dataclasses import asdict, dataclass  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import httpx  # noqa: E402
-import torch  # noqa: E402
-from safetensors.torch import load_file, save_file  # noqa: E402
-
-from loraplane_server.builtin import resolve_model  # noqa: E402
-from loraplane_server.config import EngineConfig  # noqa: E402
-from loraplane_server.engine import LLMEngine  # noqa: E402
-from loraplane_server.sampling_params import SamplingParams  # noqa: E402
+from loraplane_server.builtin import resolve_model
+from loraplane_server.config import EngineConfig
+from loraplane_server.engine import LLMEngine
+from loraplane_server.sampling_params import SamplingParams
 
 TARGET_RATIO = 0.85  # HTTP / in-process, useful tokens per second
 TOKEN = "bench-admin-token"
