@@ -18,12 +18,13 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.nn.functional as F
 from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM, PreTrainedTokenizerBase
 
 from loraplane_server.builtin import resolve_model
 
@@ -31,7 +32,7 @@ EXAMPLES_DIR = Path(__file__).resolve().parent
 BASE_MODEL = "smollm2-135m"
 ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PRESETS: dict[str, dict] = {
-    "french": {"rank": 8, "alpha": 16.0, "targets": ("q_proj", "v_proj"), "epochs": 3, "lr": 2e-3, "rslora": False},
+    "french": {"rank": 8, "alpha": 16.0, "targets": ("q_proj", "v_proj"), "epochs": 5, "lr": 2e-3, "rslora": False},
     "pirate": {"rank": 2, "alpha": 4.0, "targets": ALL_TARGETS, "epochs": 3, "lr": 2e-3, "rslora": False},
     "json": {"rank": 4, "alpha": 8.0, "targets": ALL_TARGETS[:4], "epochs": 3, "lr": 1e-3, "rslora": True},
 }
@@ -89,7 +90,8 @@ def read_jsonl(path: Path) -> list[dict[str, str]]:
 
 def prompt_ids(tokenizer: PreTrainedTokenizerBase, prompt: str) -> list[int]:
     messages = [{"role": "user", "content": prompt}]
-    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"])
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return list(tokenizer(str(text), add_special_tokens=False)["input_ids"])
 
 
 def encode(tokenizer: PreTrainedTokenizerBase, row: dict[str, str], max_len: int) -> Example:
@@ -146,7 +148,7 @@ def add_lora(model: torch.nn.Module, cfg: TrainConfig) -> PeftModel:
     lora = LoraConfig(
         task_type="CAUSAL_LM",
         r=cfg.rank,
-        lora_alpha=cfg.alpha,
+        lora_alpha=cfg.alpha,  # type: ignore[arg-type]  # PEFT annotates int; any float works
         target_modules=list(cfg.targets),
         lora_dropout=0.0,
         use_rslora=cfg.rslora,
@@ -156,7 +158,7 @@ def add_lora(model: torch.nn.Module, cfg: TrainConfig) -> PeftModel:
 
 def batch_loss(model: PeftModel, prefix: torch.Tensor, ids: torch.Tensor, is_target: torch.Tensor) -> torch.Tensor:
     """Next-token loss on the response tokens; the shared prefix runs once, without gradient."""
-    causal_lm = model.get_base_model()
+    causal_lm = cast(LlamaForCausalLM, model.get_base_model())
     with torch.no_grad():
         cache = causal_lm.model(input_ids=prefix, use_cache=True).past_key_values  # prefix: [1, P]
     cache.batch_repeat_interleave(ids.shape[0])
@@ -223,6 +225,7 @@ def save_adapter(model: PeftModel, out_dir: Path) -> None:
     (out_dir / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     half = {k: v.to(torch.float16).contiguous() for k, v in tensors.items()}
     save_file(half, str(out_dir / "adapter_model.safetensors"), metadata={"format": "pt"})
+    (out_dir / "adapter_model.safetensors").chmod(0o644)  # save_file creates it owner-only
     size = (out_dir / "adapter_model.safetensors").stat().st_size
     print(f"saved {out_dir} ({len(half)} tensors, {size / 1e6:.2f} MB)")
 
@@ -231,7 +234,7 @@ def save_adapter(model: PeftModel, out_dir: Path) -> None:
 
 
 @torch.no_grad()
-def greedy(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, prompt: str, max_new_tokens: int) -> str:
+def greedy(model: PeftModel, tokenizer: PreTrainedTokenizerBase, prompt: str, max_new_tokens: int) -> str:
     ids = torch.tensor([prompt_ids(tokenizer, prompt)])
     out = model.generate(
         input_ids=ids,
@@ -240,7 +243,7 @@ def greedy(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, prompt: s
         do_sample=False,
         pad_token_id=tokenizer.pad_token_id,
     )
-    return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip()
+    return str(tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)).strip()
 
 
 def evaluate(name: str, questions: list[str], max_new_tokens: int = 40) -> None:
