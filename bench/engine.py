@@ -263,8 +263,14 @@ def target(value: float, bound: float, at_least: bool) -> dict:
     return {"target": f"{'>=' if at_least else '<='} {bound}", "value": value, "met": met}
 
 
-def run(w: Workload) -> dict:
-    config = EngineConfig(model="smollm2-135m", dtype="auto", max_num_seqs=64, max_num_batched_tokens=2048)
+def run(w: Workload, attention_backend: str = "auto") -> dict:
+    config = EngineConfig(
+        model="smollm2-135m",
+        dtype="auto",
+        max_num_seqs=64,
+        max_num_batched_tokens=2048,
+        attention_backend=attention_backend,
+    )
     engine = LLMEngine(config)
     pool = token_pool(engine)
     with torch.inference_mode():
@@ -273,7 +279,12 @@ def run(w: Workload) -> dict:
         ttft = measure_ttft(engine, pool, w)
     return {
         "machine": machine_info(engine),
-        "config": {"engine": asdict(config), "workload": asdict(w), "hf_batch_size": config.max_num_seqs},
+        "config": {
+            "engine": asdict(config),
+            "attention_backend": engine.attention_backend,
+            "workload": asdict(w),
+            "hf_batch_size": config.max_num_seqs,
+        },
         "throughput": throughput,
         "decode": decode,
         "ttft": ttft,
@@ -289,9 +300,10 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=None, help="default 64, or 16 with --quick")
     parser.add_argument("--out", type=Path, default=Path("bench/out/engine.json"))
     parser.add_argument("--quick", action="store_true", help="a reduced workload for a smoke check")
+    parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu_kernel"])
     args = parser.parse_args()
     w = QUICK if args.quick else Workload()
-    result = run(replace(w, num_requests=args.num_requests) if args.num_requests else w)
+    result = run(replace(w, num_requests=args.num_requests) if args.num_requests else w, args.attention_backend)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     result["plot"] = plot(result, args.out.with_suffix(".png"))
     args.out.write_text(json.dumps(result, indent=2) + "\n")

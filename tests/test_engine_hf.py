@@ -58,9 +58,12 @@ def make_prompts(vocab: int, seed: int) -> list[list[int]]:
     return prompts
 
 
+@pytest.mark.parametrize("attention", ["cpu_kernel", "torch"])
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 @pytest.mark.parametrize("num_blocks", [256, 40])
-def test_tiny_models_match_hf(kind: str, num_blocks: int, tiny_llama_dir: Path, tiny_qwen2_dir: Path) -> None:
+def test_tiny_models_match_hf(
+    kind: str, num_blocks: int, attention: str, tiny_llama_dir: Path, tiny_qwen2_dir: Path
+) -> None:
     model_dir = tiny_llama_dir if kind == "llama" else tiny_qwen2_dir
     prompts = make_prompts(512, seed=7)
     max_new = [20, 5, 40, 12, 30, 25, 9, 16, 18, 22, 11, 14]
@@ -73,8 +76,10 @@ def test_tiny_models_match_hf(kind: str, num_blocks: int, tiny_llama_dir: Path, 
             num_kv_blocks=num_blocks,
             max_num_batched_tokens=48,
             max_num_seqs=6,
+            attention_backend=attention,
         )
     )
+    assert engine.attention_backend == attention
     free0 = engine.block_manager.num_free_blocks
     ours = run_staggered(engine, prompts, max_new, join)
     assert ours == hf_greedy(model_dir, prompts, max_new)
@@ -96,6 +101,7 @@ def test_smollm2_matches_hf(smollm2_dir: Path) -> None:
             max_num_seqs=8,
         )
     )
+    assert engine.attention_backend == "cpu_kernel"  # auto on this CPU; the torch path is covered above
     tok = engine.tokenizer
     system = "You are a helpful assistant who answers briefly and accurately. "
     texts = [

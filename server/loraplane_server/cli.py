@@ -17,6 +17,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--kv-cache-gib", type=float, default=1.0)
+    p.add_argument(
+        "--attention-backend",
+        default="auto",
+        choices=["auto", "torch", "cpu_kernel"],
+        help="decode attention: auto uses the compiled CPU kernel on the CPU when it builds",
+    )
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -34,6 +40,7 @@ def _config(a: argparse.Namespace) -> EngineConfig:
         max_num_seqs=a.max_num_seqs,
         max_num_batched_tokens=a.max_num_batched_tokens,
         kv_cache_bytes=int(a.kv_cache_gib * 2**30),
+        attention_backend=a.attention_backend,
     )
 
 
@@ -105,6 +112,7 @@ def _server_config(a: argparse.Namespace):  # noqa: ANN202 - imported lazily: ch
         host_cache_bytes=a.host_cache_bytes,
         disk_cache_bytes=a.disk_cache_bytes,
         disk_cache_dir=a.disk_cache_dir,
+        attention_backend=a.attention_backend,
     )
     return ServerConfig(
         engine=engine,

@@ -16,6 +16,7 @@ import torch
 from loraplane_server.block_manager import BlockManager
 from loraplane_server.builtin import cache_root, resolve_model
 from loraplane_server.config import EngineConfig
+from loraplane_server.layers import cpu_kernels
 from loraplane_server.lora.disk_cache import DiskCache
 from loraplane_server.lora.manager import AdapterManager
 from loraplane_server.lora.slot_table import SlotTable
@@ -92,7 +93,17 @@ class LLMEngine:
         )
         lora_slots = LoRASlots(model, config.max_loras, config.max_lora_rank, self.dtype, self.device)
         use_triton = config.lora_backend == "triton" or (config.lora_backend == "auto" and self.device.type == "cuda")
-        self.runner = ModelRunner(model, num_blocks, config.block_size, self.dtype, self.device, lora_slots, use_triton)
+        self.attention_backend = _attention_backend(config.attention_backend, self.device)
+        self.runner = ModelRunner(
+            model,
+            num_blocks,
+            config.block_size,
+            self.dtype,
+            self.device,
+            lora_slots,
+            use_triton,
+            decode_kernel=self.attention_backend == "cpu_kernel",
+        )
         self._device_prewarm: set[str] = set()
         self._errors: dict[str, str] = {}
         self.tokenizer = _load_tokenizer(self.model_dir)
@@ -348,6 +359,19 @@ class LLMEngine:
                 if out.finished:
                     done[out.request_id] = out
         return [done[i] for i in ids]
+
+
+def _attention_backend(requested: str, device: torch.device) -> str:
+    """auto: the compiled CPU kernel on the CPU when it builds here, torch otherwise."""
+    if requested == "cpu_kernel":
+        if device.type != "cpu":
+            raise ValueError("attention_backend=cpu_kernel runs on the CPU only")
+        if not cpu_kernels.load():
+            raise RuntimeError(f"attention_backend=cpu_kernel: the kernel did not build: {cpu_kernels.load_error()}")
+        return "cpu_kernel"
+    if requested == "auto" and device.type == "cpu" and cpu_kernels.load():
+        return "cpu_kernel"
+    return "torch"
 
 
 def _load_tokenizer(model_dir: Path):  # noqa: ANN202 - a transformers tokenizer, or None

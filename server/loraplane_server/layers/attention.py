@@ -1,7 +1,9 @@
 """Attention over a paged KV cache: write this step's keys and values, then attend.
 
-Decodes (one query each) run as one batched call over a padded gather of their blocks; each
-prefill chunk runs on its own (few per step), attending to its cached context plus itself.
+Decodes (one query each) run as one batched call: on the CPU through the compiled kernel that
+reads the blocks in place (layers/cpu_kernels.py), otherwise over a padded gather of their blocks
+with SDPA. Each prefill chunk runs on its own (few per step), attending to its cached context
+plus itself.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from loraplane_server.forward_batch import ForwardBatch, PrefillChunk
+from loraplane_server.layers import cpu_kernels
 
 
 def write_kv(
@@ -33,7 +36,11 @@ def paged_attention(
     write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
     out = torch.empty_like(q)
     nd = batch.num_decode_tokens
-    if nd:
+    if nd and batch.decode_kernel:
+        assert batch.decode_block_tables is not None and batch.decode_context_lens is not None
+        tables, lens = batch.decode_block_tables, batch.decode_context_lens
+        out[:nd] = cpu_kernels.paged_decode_attention(q[:nd], k_cache, v_cache, tables, lens, scale)
+    elif nd:
         out[:nd] = _decode(q[:nd], k_cache, v_cache, batch, scale)
     for chunk in batch.prefills:
         rows = slice(chunk.query_start, chunk.query_start + chunk.num_query_tokens)

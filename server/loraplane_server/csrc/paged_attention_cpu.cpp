@@ -1,0 +1,273 @@
+// Decode attention straight from the paged KV cache, for the CPU.
+//
+// The torch path gathers every decode sequence's blocks into a padded copy and then runs SDPA
+// on it: three passes over the KV bytes (read scattered, write the copy, read the copy) plus
+// the padding. This kernel reads each sequence's keys and values once, block by block, with an
+// online softmax, so the step costs one pass over the bytes the batch actually attends to.
+//
+// Work items are (sequence, kv head) pairs, spread over torch's intra-op thread pool
+// (at::parallel_for), so torch.set_num_threads governs it like any other op. The query heads of
+// one kv group (GQA) share each key/value row while it is in cache.
+//
+// Registered as torch.ops.loraplane.paged_decode_attention_ (in-place on `out`).
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/Dispatch.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+#define LORAPLANE_AVX512_BF16 1
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+template <typename T>
+inline void to_float(const T* src, float* dst, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+// bf16 -> fp32 is a 16-bit shift; written out so the compiler vectorizes it.
+template <>
+inline void to_float<c10::BFloat16>(const c10::BFloat16* src, float* dst, int64_t n) {
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
+  uint32_t* out = reinterpret_cast<uint32_t*>(dst);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<uint32_t>(bits[i]) << 16;
+}
+
+// exp(x) for x <= 0 (softmax after subtracting the max), vectorizable: x = n*ln2 + r with
+// |r| <= ln2/2, e^r by a degree-6 Taylor polynomial (relative error < 2e-7 on that range), 2^n by
+// building the float's exponent bits. Below -87 the result flushes to 0, as expf underflows.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float r = x - n * 0.693145751953125f - n * 1.42860682030941723212e-6f;  // ln2 split hi + lo
+  float p = 1.f / 720.f;
+  p = p * r + 1.f / 120.f;
+  p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+inline void axpy(float alpha, const float* x, float* y, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) y[i] += alpha * x[i];
+}
+
+// scores[g * stride + t] = scale * q_g . k_t for the n key rows of one block (rows row_stride apart).
+template <typename T, int64_t HD>
+struct BlockScores {
+  std::vector<float> qf, row;
+  int64_t group, D;
+  BlockScores(int64_t group_, int64_t D_) : qf(group_ * D_), row(D_), group(group_), D(D_) {}
+  void set_query(const T* q, float scale) {
+    for (int64_t g = 0; g < group; ++g) {
+      float* qg = qf.data() + g * D;
+      to_float(q + g * D, qg, D);
+      for (int64_t d = 0; d < D; ++d) qg[d] *= scale;
+    }
+  }
+  void operator()(const T* k, int64_t n, int64_t row_stride, float* scores, int64_t stride) {
+    for (int64_t t = 0; t < n; ++t) {
+      to_float(k + t * row_stride, row.data(), D);
+      for (int64_t g = 0; g < group; ++g) scores[g * stride + t] = dot(qf.data() + g * D, row.data(), D);
+    }
+  }
+};
+
+#ifdef LORAPLANE_AVX512_BF16
+// bf16 keys on a CPU with AVX512-BF16: vdpbf16ps multiplies bf16 pairs exactly and accumulates in
+// fp32, so a 64-wide dot product is two instructions and no conversion of the key row.
+template <int64_t HD>
+  requires(HD > 0 && HD % 32 == 0)
+struct BlockScores<c10::BFloat16, HD> {
+  std::vector<__m512bh> qv;
+  int64_t group;
+  float scale = 1.f;
+  BlockScores(int64_t group_, int64_t) : qv(group_ * (HD / 32)), group(group_) {}
+  void set_query(const c10::BFloat16* q, float scale_) {
+    scale = scale_;
+    for (int64_t i = 0; i < group * (HD / 32); ++i) qv[i] = (__m512bh)_mm512_loadu_si512(q + i * 32);
+  }
+  void operator()(const c10::BFloat16* k, int64_t n, int64_t row_stride, float* scores, int64_t stride) {
+    for (int64_t t = 0; t < n; ++t) {
+      __m512bh kr[HD / 32];
+      for (int64_t c = 0; c < HD / 32; ++c) kr[c] = (__m512bh)_mm512_loadu_si512(k + t * row_stride + c * 32);
+      for (int64_t g = 0; g < group; ++g) {
+        __m512 x = _mm512_setzero_ps();
+        for (int64_t c = 0; c < HD / 32; ++c) x = _mm512_dpbf16_ps(x, qv[g * (HD / 32) + c], kr[c]);
+        scores[g * stride + t] = _mm512_reduce_add_ps(x) * scale;
+      }
+    }
+  }
+};
+#endif
+
+// acc[g] += sum_t p[g * stride + t] * v_t over the n value rows of one block.
+template <typename T, int64_t HD>
+inline void accumulate_values(const T* v, int64_t n, int64_t row_stride, const float* p, int64_t stride,
+                              int64_t group, int64_t D, float* row, float* acc) {
+#ifdef LORAPLANE_AVX512_BF16
+  if constexpr (std::is_same_v<T, c10::BFloat16> && HD > 0 && HD % 16 == 0) {
+    constexpr int64_t C = HD / 16;
+    for (int64_t t = 0; t < n; ++t) {
+      __m512 vr[C];
+      for (int64_t c = 0; c < C; ++c) {
+        const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + t * row_stride + c * 16));
+        vr[c] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        const __m512 pg = _mm512_set1_ps(p[g * stride + t]);
+        float* ag = acc + g * HD;
+        for (int64_t c = 0; c < C; ++c)
+          _mm512_storeu_ps(ag + c * 16, _mm512_fmadd_ps(pg, vr[c], _mm512_loadu_ps(ag + c * 16)));
+      }
+    }
+    return;
+  }
+#endif
+  for (int64_t t = 0; t < n; ++t) {
+    to_float(v + t * row_stride, row, D);
+    for (int64_t g = 0; g < group; ++g) axpy(p[g * stride + t], row, acc + g * D, D);
+  }
+}
+
+// HD > 0 fixes head_dim at compile time (the inner loops unroll); HD == 0 reads it at run time.
+template <typename T, int64_t HD>
+void decode_kernel(
+    T* out, const T* q, const T* k_cache, const T* v_cache, const int64_t* block_tables,
+    const int64_t* context_lens, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+    int64_t head_dim, int64_t block_size, int64_t table_width, int64_t q_stride, int64_t out_stride,
+    int64_t cache_block_stride, float scale) {
+  const int64_t group = num_heads / num_kv_heads;
+  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    const int64_t D = HD > 0 ? HD : head_dim;  // a constant inside the loops when HD > 0
+    const int64_t row_stride = num_kv_heads * D;  // between tokens of one block
+    BlockScores<T, HD> block_scores(group, D);
+    std::vector<float> acc(group * D), row(D);
+    std::vector<float> scores(group * block_size), m(group), l(group);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t s = item / num_kv_heads, kvh = item % num_kv_heads;
+      const int64_t ctx = context_lens[s];
+      const int64_t* table = block_tables + s * table_width;
+      block_scores.set_query(q + s * q_stride + kvh * group * D, scale);
+      std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
+      std::fill(l.begin(), l.end(), 0.f);
+      const int64_t num_blocks = (ctx + block_size - 1) / block_size;
+      for (int64_t b = 0; b < num_blocks; ++b) {
+        const int64_t n = std::min(block_size, ctx - b * block_size);
+        const int64_t base = table[b] * cache_block_stride + kvh * D;
+        block_scores(k_cache + base, n, row_stride, scores.data(), block_size);
+        for (int64_t g = 0; g < group; ++g) {
+          float* sg = scores.data() + g * block_size;
+          float mx = m[g];
+#pragma omp simd reduction(max : mx)
+          for (int64_t t = 0; t < n; ++t) mx = std::max(mx, sg[t]);
+          const float correction = std::exp(m[g] - mx);  // exp(-inf) = 0 on the first block
+          float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+          for (int64_t t = 0; t < n; ++t) {
+            sg[t] = exp_nonpositive(sg[t] - mx);
+            sum += sg[t];
+          }
+          sum += l[g] * correction;
+          if (correction != 1.f) {
+            float* ag = acc.data() + g * D;
+            for (int64_t d = 0; d < D; ++d) ag[d] *= correction;
+          }
+          m[g] = mx;
+          l[g] = sum;
+        }
+        accumulate_values<T, HD>(v_cache + base, n, row_stride, scores.data(), block_size, group, D, row.data(),
+                                 acc.data());
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
+        T* o = out + s * out_stride + (kvh * group + g) * D;
+        const float* ag = acc.data() + g * D;
+        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(ag[d] * inv);
+      }
+    }
+  });
+}
+
+// out, q: [S, H, D] (rows may be strided, heads and dims contiguous); caches: [N, B, KVH, D]
+// contiguous within a block; block_tables: [S, W] int64; context_lens: [S] int64 (>= 1).
+void paged_decode_attention_(
+    at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+    const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
+  TORCH_CHECK(q.device().is_cpu(), "paged_decode_attention_: CPU tensors only");
+  TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(), "q and out must be [S, H, D] of one shape");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(), "caches must be [N, B, KVH, D]");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && out.scalar_type() == q.scalar_type() &&
+                  v_cache.scalar_type() == q.scalar_type(),
+              "q, out and the caches must share a dtype");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
+              "block_tables and context_lens must be int64");
+  TORCH_CHECK(block_tables.is_contiguous() && context_lens.is_contiguous(), "tables must be contiguous");
+  const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == head_dim, "cache head_dim differs from q's");
+  TORCH_CHECK(num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
+  TORCH_CHECK(block_tables.size(0) == num_seqs && context_lens.size(0) == num_seqs, "one table row per sequence");
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == head_dim && out.stride(2) == 1 && out.stride(1) == head_dim,
+              "q and out must be contiguous within a row");
+  for (const at::Tensor* c : {&k_cache, &v_cache}) {
+    TORCH_CHECK(c->stride(3) == 1 && c->stride(2) == head_dim && c->stride(1) == num_kv_heads * head_dim,
+                "caches must be contiguous within a block");
+  }
+  TORCH_CHECK(k_cache.stride(0) == v_cache.stride(0), "k and v caches must share a layout");
+  if (num_seqs == 0) return;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention_", [&] {
+    auto run = [&](auto kernel) {
+      kernel(out.data_ptr<scalar_t>(), q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
+             v_cache.data_ptr<scalar_t>(), block_tables.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(),
+             num_seqs, num_heads, num_kv_heads, head_dim, block_size, block_tables.size(1), q.stride(0),
+             out.stride(0), k_cache.stride(0), static_cast<float>(scale));
+    };
+    if (head_dim == 64) {
+      run(decode_kernel<scalar_t, 64>);
+    } else if (head_dim == 128) {
+      run(decode_kernel<scalar_t, 128>);
+    } else {
+      run(decode_kernel<scalar_t, 0>);
+    }
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY(loraplane, m) {
+  m.def(
+      "paged_decode_attention_(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+      "Tensor context_lens, float scale) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(loraplane, CPU, m) { m.impl("paged_decode_attention_", paged_decode_attention_); }

@@ -1,0 +1,86 @@
+"""Builds and loads the CPU attention kernel (csrc/paged_attention_cpu.cpp), once per machine.
+
+The source is compiled with torch's extension builder into the user cache, keyed by the source,
+torch's version and the CPU's flags (it is built for this CPU). When no compiler is available
+or the build fails, `load()` returns False with the reason in `load_error()` and the engine
+keeps its torch attention path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "paged_attention_cpu.cpp"
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def build_dir() -> Path:
+    root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "loraplane" / "kernels"
+    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + _cpu_flags().encode()).hexdigest()[:16]
+    return root / f"paged_attention_cpu-{key}"
+
+
+def load() -> bool:
+    """Builds (first call on this machine, ~1 min) and loads the kernel; True when it is usable."""
+    with _lock:
+        if "ok" in _state:
+            return bool(_state["ok"])
+        if os.environ.get("LORAPLANE_DISABLE_CPU_KERNELS"):
+            _state.update(ok=False, error="disabled by LORAPLANE_DISABLE_CPU_KERNELS")
+            return False
+        try:
+            from torch.utils import cpp_extension
+
+            directory = build_dir()
+            directory.mkdir(parents=True, exist_ok=True)
+            cpp_extension.load(
+                name="loraplane_paged_attention_cpu",
+                sources=[str(SOURCE)],
+                extra_cflags=["-O3", "-march=native", "-fopenmp-simd"],
+                build_directory=str(directory),
+                is_python_module=False,
+                verbose=False,
+            )
+            _state.update(ok=hasattr(torch.ops.loraplane, "paged_decode_attention_"), error=None)
+        except Exception as error:  # no compiler, no ninja, a build error: keep the torch path
+            log.warning("CPU attention kernel unavailable, using the torch path: %s", error)
+            _state.update(ok=False, error=f"{type(error).__name__}: {error}")
+        return bool(_state["ok"])
+
+
+def load_error() -> str | None:
+    return _state.get("error")  # type: ignore[return-value]
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """q: [S, H, D]; caches: [N, B, KVH, D]; block_tables: [S, W]; context_lens: [S] -> [S, H, D]."""
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    torch.ops.loraplane.paged_decode_attention_(out, q, k_cache, v_cache, block_tables, context_lens, scale)
+    return out
