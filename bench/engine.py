@@ -300,7 +300,7 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=None, help="default 64, or 16 with --quick")
     parser.add_argument("--out", type=Path, default=Path("bench/out/engine.json"))
     parser.add_argument("--quick", action="store_true", help="a reduced workload for a smoke check")
-    parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu_kernel"])
+    parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu_kernel", "triton"])
     args = parser.parse_args()
     w = QUICK if args.quick else Workload()
     result = run(replace(w, num_requests=args.num_requests) if args.num_requests else w, args.attention_backend)

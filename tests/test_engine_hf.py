@@ -14,6 +14,7 @@ import torch
 
 from loraplane_server.config import EngineConfig
 from loraplane_server.engine import LLMEngine
+from loraplane_server.layers.triton_attention import triton_available
 from loraplane_server.sampling_params import SamplingParams
 
 
@@ -87,6 +88,27 @@ def test_tiny_models_match_hf(
     assert engine.block_manager.num_prefix_hits > 0
     if num_blocks == 40:
         assert engine.scheduler.num_preemptions > 0
+
+
+@pytest.mark.skipif(not triton_available(), reason="needs triton with CUDA or TRITON_INTERPRET=1")
+def test_triton_decode_attention_matches_hf(tiny_qwen2_dir: Path) -> None:
+    """The CUDA decode-attention kernel, run by the Triton interpreter on CPU tensors, inside the engine."""
+    prompts = make_prompts(512, seed=11)[:6]
+    max_new, join = [12, 5, 9, 7, 10, 6], [0, 0, 1, 3, 4, 6]
+    config = EngineConfig(
+        model=str(tiny_qwen2_dir),
+        dtype="float32",
+        block_size=4,
+        num_kv_blocks=40,
+        max_num_batched_tokens=48,
+        max_num_seqs=4,
+        attention_backend="triton",
+    )
+    engine = LLMEngine(config)
+    assert engine.attention_backend == "triton"
+    free0 = engine.block_manager.num_free_blocks
+    assert run_staggered(engine, prompts, max_new, join) == hf_greedy(tiny_qwen2_dir, prompts, max_new)
+    assert engine.block_manager.num_free_blocks == free0
 
 
 @pytest.mark.slow

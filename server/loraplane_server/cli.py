@@ -20,8 +20,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--attention-backend",
         default="auto",
-        choices=["auto", "torch", "cpu_kernel"],
-        help="decode attention: auto uses the compiled CPU kernel on the CPU when it builds",
+        choices=["auto", "torch", "cpu_kernel", "triton"],
+        help="decode attention: auto uses Triton on CUDA and the compiled CPU kernel on the CPU when it builds",
     )
 
 

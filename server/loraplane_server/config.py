@@ -27,7 +27,9 @@ class EngineConfig:
     disk_cache_dir: str | None = None  # None: <user cache>/loraplane/adapters
     num_threads: int | None = None  # torch intra-op threads; None: torch's default
     lora_backend: str = "auto"  # auto (triton on CUDA, torch elsewhere) | torch | triton
-    attention_backend: str = "auto"  # auto (cpu_kernel on the CPU when it builds, else torch) | torch | cpu_kernel
+    # decode attention: auto (triton on CUDA, cpu_kernel on the CPU when it builds, else torch) | torch | cpu_kernel
+    # | triton
+    attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
@@ -38,7 +40,9 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1")
         if self.lora_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"lora_backend={self.lora_backend!r}: expected auto, torch or triton")
-        if self.attention_backend not in ("auto", "torch", "cpu_kernel"):
-            raise ValueError(f"attention_backend={self.attention_backend!r}: expected auto, torch or cpu_kernel")
+        if self.attention_backend not in ("auto", "torch", "cpu_kernel", "triton"):
+            raise ValueError(
+                f"attention_backend={self.attention_backend!r}: expected auto, torch, cpu_kernel or triton"
+            )
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ValueError("num_kv_blocks must be >= 2")

@@ -16,7 +16,7 @@ import torch
 from loraplane_server.block_manager import BlockManager
 from loraplane_server.builtin import cache_root, resolve_model
 from loraplane_server.config import EngineConfig
-from loraplane_server.layers import cpu_kernels
+from loraplane_server.layers import cpu_kernels, triton_attention
 from loraplane_server.lora.disk_cache import DiskCache
 from loraplane_server.lora.manager import AdapterManager
 from loraplane_server.lora.slot_table import SlotTable
@@ -102,7 +102,7 @@ class LLMEngine:
             self.device,
             lora_slots,
             use_triton,
-            decode_kernel=self.attention_backend == "cpu_kernel",
+            decode_attention=self.attention_backend,
         )
         self._device_prewarm: set[str] = set()
         self._errors: dict[str, str] = {}
@@ -362,7 +362,13 @@ class LLMEngine:
 
 
 def _attention_backend(requested: str, device: torch.device) -> str:
-    """auto: the compiled CPU kernel on the CPU when it builds here, torch otherwise."""
+    """auto: Triton on CUDA, the compiled CPU kernel on the CPU when it builds here, torch otherwise."""
+    if requested == "triton" or (requested == "auto" and device.type == "cuda"):
+        if triton_attention.triton_available():
+            return "triton"
+        if requested == "triton":
+            raise RuntimeError("attention_backend=triton: triton is not usable here (needs CUDA or TRITON_INTERPRET=1)")
+        return "torch"
     if requested == "cpu_kernel":
         if device.type != "cpu":
             raise ValueError("attention_backend=cpu_kernel runs on the CPU only")

@@ -31,7 +31,7 @@ class ForwardBatch:
     decode_block_tables: torch.Tensor | None  # [Bd, max_blocks] int64, padded with 0
     decode_context_lens: torch.Tensor | None  # [Bd] int64, including the new token
     decode_mask: torch.Tensor | None = None  # [Bd, 1, 1, max_blocks * block_size] bool (torch path only)
-    decode_kernel: bool = False  # decodes attend through the compiled CPU kernel, straight from the blocks
+    decode_attention: str = "torch"  # torch (gather + SDPA) | cpu_kernel | triton: the kernels read blocks in place
     prefills: list[PrefillChunk] = field(default_factory=list)
     logits_indices: torch.Tensor | None = None  # [S] rows whose next token is sampled
     lora: LoRABatch | None = None  # per-token adapter slots; None when no token has an adapter

@@ -27,7 +27,7 @@ class ModelRunner:
         device: torch.device,
         lora_slots: LoRASlots | None = None,
         use_triton: bool = False,
-        decode_kernel: bool = False,
+        decode_attention: str = "torch",
     ) -> None:
         a = model.args
         self.model = model
@@ -39,7 +39,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.lora_slots = lora_slots
         self.use_triton = use_triton
-        self.decode_kernel = decode_kernel  # decode attention through layers/cpu_kernels.py
+        self.decode_attention = decode_attention  # torch | cpu_kernel | triton (layers/attention.py)
         self.generators: dict[int, torch.Generator | None] = {}  # seq id -> its own RNG
 
     def prepare(self, scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, ForwardBatch, list[Sequence]]:
@@ -79,9 +79,9 @@ class ModelRunner:
             decode_context_lens=None if lens is None else lens.to(self.device),
             prefills=chunks,
             logits_indices=t(logits_rows),
-            decode_kernel=self.decode_kernel,
+            decode_attention=self.decode_attention,
         )
-        if lens is not None and tables is not None and not self.decode_kernel:
+        if lens is not None and tables is not None and self.decode_attention == "torch":
             span = torch.arange(tables.shape[1] * bs, device=self.device)
             batch.decode_mask = (span < batch.decode_context_lens.unsqueeze(1))[:, None, None, :]
         batch.lora = self._lora_batch(decodes, prefills, chunks)

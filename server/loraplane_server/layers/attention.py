@@ -1,9 +1,9 @@
 """Attention over a paged KV cache: write this step's keys and values, then attend.
 
-Decodes (one query each) run as one batched call: on the CPU through the compiled kernel that
-reads the blocks in place (layers/cpu_kernels.py), otherwise over a padded gather of their blocks
-with SDPA. Each prefill chunk runs on its own (few per step), attending to its cached context
-plus itself.
+Decodes (one query each) run as one batched call: through a kernel that reads the blocks in place
+(the compiled CPU kernel in layers/cpu_kernels.py, or Triton on CUDA in layers/triton_attention.py),
+or, on the torch path, SDPA over a padded gather of their blocks. Each prefill chunk runs on its
+own (few per step), attending to its cached context plus itself.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from loraplane_server.forward_batch import ForwardBatch, PrefillChunk
-from loraplane_server.layers import cpu_kernels
+from loraplane_server.layers import cpu_kernels, triton_attention
 
 
 def write_kv(
@@ -36,10 +36,11 @@ def paged_attention(
     write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
     out = torch.empty_like(q)
     nd = batch.num_decode_tokens
-    if nd and batch.decode_kernel:
+    if nd and batch.decode_attention != "torch":
         assert batch.decode_block_tables is not None and batch.decode_context_lens is not None
         tables, lens = batch.decode_block_tables, batch.decode_context_lens
-        out[:nd] = cpu_kernels.paged_decode_attention(q[:nd], k_cache, v_cache, tables, lens, scale)
+        kernel = cpu_kernels if batch.decode_attention == "cpu_kernel" else triton_attention
+        out[:nd] = kernel.paged_decode_attention(q[:nd], k_cache, v_cache, tables, lens, scale)
     elif nd:
         out[:nd] = _decode(q[:nd], k_cache, v_cache, batch, scale)
     for chunk in batch.prefills:

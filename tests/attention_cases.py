@@ -1,0 +1,47 @@
+"""Paged decode-attention cases and an fp32 reference, shared by the CPU and Triton kernel tests."""
+
+from __future__ import annotations
+
+import torch
+
+
+def reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    tables: torch.Tensor,
+    lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Per sequence: its tokens' keys and values in order, softmax(q k^T * scale) v, in fp32."""
+    block_size, kvh = k_cache.shape[1], k_cache.shape[2]
+    group = q.shape[1] // kvh
+    out = []
+    for s in range(q.shape[0]):
+        n = int(lens[s])
+        blocks = tables[s, : -(-n // block_size)]
+        keys = k_cache[blocks].flatten(0, 1)[:n].float().repeat_interleave(group, dim=1)  # [n, H, D]
+        values = v_cache[blocks].flatten(0, 1)[:n].float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,nhd->hn", q[s].float(), keys) * scale
+        out.append(torch.einsum("hn,nhd->hd", scores.softmax(-1), values))
+    return torch.stack(out)
+
+
+def make_case(
+    num_seqs: int, heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(1, 6 * block_size, (num_seqs,), generator=g)
+    lens[0], lens[-1] = 1, 3 * block_size  # one token; an exact multiple of the block size
+    widths = (lens + block_size - 1) // block_size
+    num_blocks = int(widths.sum()) + 5
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    order = torch.randperm(num_blocks, generator=g)  # blocks scattered over the pool
+    tables = torch.zeros(num_seqs, int(widths.max()), dtype=torch.int64)  # padded with block 0
+    used = 0
+    for s, w in enumerate(widths.tolist()):
+        tables[s, :w] = order[used : used + w]
+        used += w
+    q = torch.randn(num_seqs, heads, head_dim, generator=g).to(dtype)
+    return q, k_cache, v_cache, tables, lens
