@@ -1,4 +1,5 @@
-"""A real Kubernetes control plane on loopback: etcd, kube-apiserver (RBAC on), kube-controller-manager."""
+"""A real Kubernetes control plane on loopback: etcd, kube-apiserver (RBAC on, API aggregation configured),
+kube-controller-manager (HPA included, on a short sync period)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,9 @@ SERVICE_CIDR = "10.96.0.0/16"
 SERVICE_ACCOUNT_ISSUER = "https://kubernetes.default.svc.cluster.local"
 # Cloud and node-IPAM controllers need a cloud or pod CIDRs; the rest of the default set runs.
 CONTROLLERS = "*,-node-ipam-controller,-cloud-node-lifecycle-controller,-node-route-controller,-service-lb-controller"
+HPA_SYNC_PERIOD = "5s"  # the default 15s makes autoscaling tests slow
+# the kube-aggregator authenticates to extension API servers with this client cert (front-proxy CA)
+FRONT_PROXY_CLIENT = "front-proxy-client"
 
 
 def free_port() -> int:
@@ -49,6 +53,8 @@ class LocalCluster:
         self.api_port = free_port()
         self.server = f"https://127.0.0.1:{self.api_port}"
         self.pki = Pki(self.dir / "pki")
+        # A CA of its own: any cert it signs may assert a user in X-Remote-User headers.
+        self.front_proxy_pki = Pki(self.dir / "front-proxy-pki", ca_name="loraplane-e2e-front-proxy-ca")
         self.kubeconfig = self.dir / "admin.kubeconfig"
         self.api: ApiClient | None = None
         self.kubelet_root: Path | None = None
@@ -156,8 +162,20 @@ class LocalCluster:
         argv += ["--service-account-signing-key-file", str(sa_key), "--service-cluster-ip-range", SERVICE_CIDR]
         # A loopback address may not be an Endpoints address, so the `kubernetes` Service gets none.
         argv += ["--endpoint-reconciler-type", "none", "--allow-privileged=true", "--profiling=false", "-v", "1"]
+        argv += self._aggregator_flags()
         self._spawn("kube-apiserver", argv)
         self._wait("kube-apiserver /readyz", "kube-apiserver", lambda: self._admin().get_raw("/readyz") == "ok")
+
+    def _aggregator_flags(self) -> list[str]:
+        """API aggregation (APIService): the proxy's client cert and the request-header authentication that
+        extension servers trust. No --enable-aggregator-routing: the ClusterIP resolver is the one that also
+        routes to ExternalName Services, and loopback pod IPs can never be Endpoints here."""
+        proxy_cert, proxy_key = self.front_proxy_pki.client_cert(FRONT_PROXY_CLIENT, FRONT_PROXY_CLIENT, [])
+        argv = ["--requestheader-client-ca-file", str(self.front_proxy_pki.ca_file)]
+        argv += ["--requestheader-allowed-names", FRONT_PROXY_CLIENT]
+        argv += ["--requestheader-username-headers", "X-Remote-User", "--requestheader-group-headers", "X-Remote-Group"]
+        argv += ["--requestheader-extra-headers-prefix", "X-Remote-Extra-"]
+        return argv + ["--proxy-client-cert-file", str(proxy_cert), "--proxy-client-key-file", str(proxy_key)]
 
     def _start_controller_manager(self, sa_key: Path) -> None:
         cert = self.pki.client_cert("kube-controller-manager", "system:kube-controller-manager", [])
@@ -167,6 +185,7 @@ class LocalCluster:
         argv += ["--secure-port", "0", "--leader-elect=false", "--controllers", CONTROLLERS]
         argv += ["--use-service-account-credentials=true", "--service-account-private-key-file", str(sa_key)]
         argv += ["--root-ca-file", str(self.pki.ca_file), "--cluster-cidr", "10.244.0.0/16", "-v", "1"]
+        argv += ["--horizontal-pod-autoscaler-sync-period", HPA_SYNC_PERIOD]
         self._spawn("kube-controller-manager", argv)
         default_sa = "/api/v1/namespaces/default/serviceaccounts/default"
         self._wait("the default ServiceAccount", "kube-controller-manager", lambda: bool(self._admin().get(default_sa)))

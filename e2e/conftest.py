@@ -1,4 +1,4 @@
-"""Session fixtures: the control plane binaries, a running LocalCluster with the process kubelet, kubectl."""
+"""Session fixtures: the control plane binaries, a running LocalCluster with the process kubelet, kubectl, helm."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from e2e.cluster import LocalCluster
+from e2e.helm import Helm, find_helm
 from e2e.kubectl import Kubectl
 
 BUILD_SCRIPT = Path(__file__).with_name("build_control_plane.sh")
@@ -61,6 +62,14 @@ def kubectl(cluster: LocalCluster) -> Kubectl:
     if shutil.which("kubectl") is None:
         pytest.skip("kubectl is not available")
     return Kubectl(cluster.kubeconfig)
+
+
+@pytest.fixture(scope="session")
+def helm(cluster: LocalCluster) -> Helm:
+    binary = find_helm()
+    if binary is None:
+        pytest.skip("helm is not available: helm/get_helm.sh could not fetch it and there is none on PATH")
+    return Helm(binary, cluster.kubeconfig, cluster.dir / "helm")
 
 
 @pytest.fixture

@@ -15,13 +15,13 @@ _VALIDITY = datetime.timedelta(days=2)
 
 
 class Pki:
-    """Writes PEM files into `directory`; every method returns the paths it wrote."""
+    """Writes PEM files into `directory`; every method returns the paths it wrote. One CA per instance."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, ca_name: str = "loraplane-e2e-ca") -> None:
         self.directory = directory
         directory.mkdir(parents=True, exist_ok=True)
         self._ca_key = ec.generate_private_key(ec.SECP256R1())
-        self._ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "loraplane-e2e-ca")])
+        self._ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, ca_name)])
         now = datetime.datetime.now(datetime.timezone.utc)
         self._ca_cert = (
             x509.CertificateBuilder()

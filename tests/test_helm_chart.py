@@ -6,6 +6,7 @@ No cluster is needed: only `helm lint` and `helm template`.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -14,6 +15,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+from loraplane_operator import builders
+from loraplane_operator import constants as c
 
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "helm" / "loraplane"
@@ -209,6 +213,8 @@ def test_values_documented_and_in_schema():
         {"operator": {"livenessPort": 0}},
         {"adapters": [{"name": "no-source"}]},
         {"unknownKey": True},
+        {"server": {"autoscaling": {"targetQueueDepth": 0.5}}},  # the CRD wants an integer >= 1
+        {"uninstallHook": {"timeoutSeconds": 0}},
     ],
 )
 def test_bad_values_rejected(helm, tmp_path, bad):
@@ -217,3 +223,76 @@ def test_bad_values_rejected(helm, tmp_path, bad):
     assert p.returncode != 0 and "schema" in (p.stderr + p.stdout).lower(), p.stdout[-300:] + p.stderr
     p = _run(helm, "lint", str(CHART), "-f", f)
     assert p.returncode != 0
+
+
+HOOK_KINDS = ["Job", "Role", "RoleBinding", "ServiceAccount"]
+
+
+def _hooks(docs: list[dict]) -> list[dict]:
+    return [d for d in docs if "helm.sh/hook" in (d["metadata"].get("annotations") or {})]
+
+
+def test_uninstall_hook(helm: str, tmp_path: Path) -> None:
+    """With a server or adapters from values, a pre-delete Job deletes them (adapters first, in the module)
+    while the operator runs; it has only the rights to do that, and cleans itself up on success."""
+    assert _hooks(_render(helm)) == []  # nothing to clean up: no hook
+    docs = _render(helm, "-f", _values_file(tmp_path, ALL_ON))
+    hooks = _hooks(docs)
+    assert sorted(d["kind"] for d in hooks) == HOOK_KINDS
+    for hook in hooks:
+        annotations = hook["metadata"]["annotations"]
+        assert annotations["helm.sh/hook"] == "pre-delete"
+        assert annotations["helm.sh/hook-delete-policy"] == "before-hook-creation,hook-succeeded"
+    weights = {d["kind"]: int(d["metadata"]["annotations"]["helm.sh/hook-weight"]) for d in hooks}
+    assert all(weights[k] < weights["Job"] for k in ("Role", "RoleBinding", "ServiceAccount"))
+    role = _one(hooks, "Role")
+    assert role["rules"] == [
+        {"apiGroups": [c.GROUP], "resources": [c.LORA_PLURAL, c.BMS_PLURAL], "verbs": ["get", "list", "delete"]}
+    ]
+    job = _one(hooks, "Job")
+    pod = job["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == _one(hooks, "ServiceAccount")["metadata"]["name"]
+    assert pod["restartPolicy"] == "Never" and pod["securityContext"]["runAsNonRoot"] is True
+    (ctr,) = pod["containers"]
+    assert ctr["command"][:2] == ["python", "-m"] and importlib.util.find_spec(ctr["command"][2]) is not None
+    args = ctr["args"]
+    assert args[args.index("--namespace") + 1] == "loraplane-system"
+    assert args[args.index("--selector") + 1] == "app.kubernetes.io/instance=lp,app.kubernetes.io/managed-by=Helm"
+    assert job["spec"]["activeDeadlineSeconds"] > int(args[args.index("--timeout") + 1])
+    # the chart's own custom resources carry the labels the hook selects on
+    for kind in ("BaseModelServer", "LoRAAdapter"):
+        labels = next(d for d in docs if d["kind"] == kind)["metadata"]["labels"]
+        assert labels["app.kubernetes.io/instance"] == "lp" and labels["app.kubernetes.io/managed-by"] == "Helm"
+    off = {**ALL_ON, "uninstallHook": {"enabled": False}}
+    assert _hooks(_render(helm, "-f", _values_file(tmp_path, off, "off.yaml"))) == []
+
+
+def test_monitors_select_the_operators_server_labels(helm: str, tmp_path: Path) -> None:
+    docs = _render(helm, "-f", _values_file(tmp_path, ALL_ON))
+    labels = builders.server_labels("any-server")
+    for kind in ("ServiceMonitor", "PodMonitor"):
+        selector = _one(docs, kind)["spec"]["selector"]["matchLabels"]
+        assert selector and selector.items() <= labels.items(), (kind, selector, labels)
+
+
+def test_server_args_env_and_operator_liveness_address(helm: str, tmp_path: Path) -> None:
+    values = {
+        "server": {
+            "enabled": True,
+            "args": ["--disk-cache-dir", "/cache/adapters"],
+            "env": [{"name": "HF_HUB_OFFLINE", "value": "1"}],
+            "autoscaling": {"enabled": True, "scaleDownStabilizationSeconds": 60},
+        },
+        "operator": {"livenessBindAddress": "$(POD_IP)", "livenessPort": 9090},
+    }
+    docs = _render(helm, "-f", _values_file(tmp_path, values))
+    spec = _one(docs, "BaseModelServer")["spec"]
+    assert spec["args"] == ["--disk-cache-dir", "/cache/adapters"]
+    assert spec["env"] == [{"name": "HF_HUB_OFFLINE", "value": "1"}]
+    assert spec["autoscaling"]["scaleDownStabilizationSeconds"] == 60
+    (ctr,) = _one(docs, "Deployment", "-operator")["spec"]["template"]["spec"]["containers"]
+    assert ctr["args"][ctr["args"].index("--liveness") + 1] == "http://$(POD_IP):9090/healthz"
+    pod_ip = next(e for e in ctr["env"] if e["name"] == "POD_IP")
+    assert pod_ip["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    default = _one(_render(helm), "Deployment", "-operator")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert default[default.index("--liveness") + 1] == "http://0.0.0.0:8080/healthz"

@@ -42,8 +42,9 @@ app.kubernetes.io/component: operator
 {{- default (include "loraplane.fullname" .) .Values.server.name -}}
 {{- end -}}
 
-{{/* Pods and Services created by the operator for BaseModelServers carry these labels. */}}
+{{/* Pods and Services created by the operator for BaseModelServers carry these labels
+(loraplane_operator.builders.server_labels; tests/test_helm_chart.py keeps them in step). */}}
 {{- define "loraplane.serverPodSelector" -}}
-app.kubernetes.io/name: loraplane
+app.kubernetes.io/name: loraplane-server
 app.kubernetes.io/component: model-server
 {{- end -}}
