@@ -115,14 +115,34 @@ struct BlockScores<c10::BFloat16, HD> {
     scale = scale_;
     for (int64_t i = 0; i < group * (HD / 32); ++i) qv[i] = (__m512bh)_mm512_loadu_si512(q + i * 32);
   }
+  // Eight tokens at a time: each token's 16-lane partial dot is halved to 8 lanes, then an hadd tree
+  // turns the eight 8-lane vectors into one vector of eight scores (no per-token horizontal sum).
   void operator()(const c10::BFloat16* k, int64_t n, int64_t row_stride, float* scores, int64_t stride) {
-    for (int64_t t = 0; t < n; ++t) {
-      __m512bh kr[HD / 32];
-      for (int64_t c = 0; c < HD / 32; ++c) kr[c] = (__m512bh)_mm512_loadu_si512(k + t * row_stride + c * 32);
+    const __m256 scale_v = _mm256_set1_ps(scale);
+    for (int64_t t0 = 0; t0 < n; t0 += 8) {
+      const int64_t m = std::min<int64_t>(8, n - t0);
       for (int64_t g = 0; g < group; ++g) {
-        __m512 x = _mm512_setzero_ps();
-        for (int64_t c = 0; c < HD / 32; ++c) x = _mm512_dpbf16_ps(x, qv[g * (HD / 32) + c], kr[c]);
-        scores[g * stride + t] = _mm512_reduce_add_ps(x) * scale;
+        __m256 half[8];
+        for (int64_t i = 0; i < 8; ++i) {
+          if (i >= m) {
+            half[i] = _mm256_setzero_ps();
+            continue;
+          }
+          const c10::BFloat16* row = k + (t0 + i) * row_stride;
+          __m512 x = _mm512_setzero_ps();
+          for (int64_t c = 0; c < HD / 32; ++c)
+            x = _mm512_dpbf16_ps(x, qv[g * (HD / 32) + c], (__m512bh)_mm512_loadu_si512(row + c * 32));
+          half[i] = _mm256_add_ps(_mm512_castps512_ps256(x),
+                                  _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+        }
+        const __m256 ab = _mm256_hadd_ps(half[0], half[1]), cd = _mm256_hadd_ps(half[2], half[3]);
+        const __m256 ef = _mm256_hadd_ps(half[4], half[5]), gh = _mm256_hadd_ps(half[6], half[7]);
+        const __m256 abcd = _mm256_hadd_ps(ab, cd), efgh = _mm256_hadd_ps(ef, gh);
+        const __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(abcd, efgh, 0x20),
+                                          _mm256_permute2f128_ps(abcd, efgh, 0x31));
+        alignas(32) float out[8];
+        _mm256_store_ps(out, _mm256_mul_ps(sums, scale_v));
+        for (int64_t i = 0; i < m; ++i) scores[g * stride + t0 + i] = out[i];
       }
     }
   }
@@ -184,6 +204,15 @@ void decode_kernel(
       for (int64_t b = 0; b < num_blocks; ++b) {
         const int64_t n = std::min(block_size, ctx - b * block_size);
         const int64_t base = table[b] * cache_block_stride + kvh * D;
+        if (b + 1 < num_blocks) {  // the blocks are scattered: fetch the next one while this one computes
+          const int64_t next = table[b + 1] * cache_block_stride + kvh * D;
+          for (int64_t t = 0; t < block_size; ++t) {
+            for (int64_t byte = 0; byte < D * static_cast<int64_t>(sizeof(T)); byte += 64) {
+              __builtin_prefetch(reinterpret_cast<const char*>(k_cache + next + t * row_stride) + byte);
+              __builtin_prefetch(reinterpret_cast<const char*>(v_cache + next + t * row_stride) + byte);
+            }
+          }
+        }
         block_scores(k_cache + base, n, row_stride, scores.data(), block_size);
         for (int64_t g = 0; g < group; ++g) {
           float* sg = scores.data() + g * block_size;
@@ -218,6 +247,110 @@ void decode_kernel(
   });
 }
 
+#ifdef LORAPLANE_AVX512_BF16
+// The hot case (bf16 cache, AVX512-BF16, head_dim 64 or 128, up to 8 query heads per kv head):
+// the group size is a template parameter so the output accumulators stay in vector registers.
+template <int64_t HD, int64_t G>
+void decode_kernel_bf16(
+    c10::BFloat16* out, const c10::BFloat16* q, const c10::BFloat16* k_cache, const c10::BFloat16* v_cache,
+    const int64_t* block_tables, const int64_t* context_lens, int64_t num_seqs, int64_t num_kv_heads,
+    int64_t block_size, int64_t table_width, int64_t q_stride, int64_t out_stride, int64_t cache_block_stride,
+    float scale) {
+  constexpr int64_t C = HD / 16;  // fp32 vectors per head row
+  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    const int64_t row_stride = num_kv_heads * HD;
+    BlockScores<c10::BFloat16, HD> block_scores(G, HD);
+    std::vector<float> scores(G * block_size);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t s = item / num_kv_heads, kvh = item % num_kv_heads;
+      const int64_t ctx = context_lens[s];
+      const int64_t* table = block_tables + s * table_width;
+      block_scores.set_query(q + s * q_stride + kvh * G * HD, scale);
+      __m512 acc[G][C];
+      float m[G], l[G];
+      for (int64_t g = 0; g < G; ++g) {
+        for (int64_t c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
+        m[g] = -std::numeric_limits<float>::infinity();
+        l[g] = 0.f;
+      }
+      const int64_t num_blocks = (ctx + block_size - 1) / block_size;
+      for (int64_t b = 0; b < num_blocks; ++b) {
+        const int64_t n = std::min(block_size, ctx - b * block_size);
+        const int64_t base = table[b] * cache_block_stride + kvh * HD;
+        if (b + 1 < num_blocks) {  // the blocks are scattered: fetch the next one while this one computes
+          const int64_t next = table[b + 1] * cache_block_stride + kvh * HD;
+          for (int64_t t = 0; t < block_size; ++t) {
+            for (int64_t byte = 0; byte < HD * 2; byte += 64) {
+              __builtin_prefetch(reinterpret_cast<const char*>(k_cache + next + t * row_stride) + byte);
+              __builtin_prefetch(reinterpret_cast<const char*>(v_cache + next + t * row_stride) + byte);
+            }
+          }
+        }
+        block_scores(k_cache + base, n, row_stride, scores.data(), block_size);
+        for (int64_t g = 0; g < G; ++g) {
+          float* sg = scores.data() + g * block_size;
+          float mx = m[g];
+          for (int64_t t = 0; t < n; ++t) mx = std::max(mx, sg[t]);
+          const float correction = std::exp(m[g] - mx);
+          float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+          for (int64_t t = 0; t < n; ++t) {
+            sg[t] = exp_nonpositive(sg[t] - mx);
+            sum += sg[t];
+          }
+          l[g] = l[g] * correction + sum;
+          m[g] = mx;
+          const __m512 cv = _mm512_set1_ps(correction);
+          for (int64_t c = 0; c < C; ++c) acc[g][c] = _mm512_mul_ps(acc[g][c], cv);
+        }
+        for (int64_t t = 0; t < n; ++t) {
+          const c10::BFloat16* vr = v_cache + base + t * row_stride;
+          __m512 v[C];
+          for (int64_t c = 0; c < C; ++c) {
+            const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vr + c * 16));
+            v[c] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+          }
+          for (int64_t g = 0; g < G; ++g) {
+            const __m512 p = _mm512_set1_ps(scores[g * block_size + t]);
+            for (int64_t c = 0; c < C; ++c) acc[g][c] = _mm512_fmadd_ps(p, v[c], acc[g][c]);
+          }
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        alignas(64) float row[HD];
+        const __m512 inv = _mm512_set1_ps(l[g] > 0.f ? 1.f / l[g] : 0.f);
+        for (int64_t c = 0; c < C; ++c) _mm512_store_ps(row + c * 16, _mm512_mul_ps(acc[g][c], inv));
+        c10::BFloat16* o = out + s * out_stride + (kvh * G + g) * HD;
+        for (int64_t d = 0; d < HD; ++d) o[d] = static_cast<c10::BFloat16>(row[d]);
+      }
+    }
+  });
+}
+
+template <int64_t HD>
+bool try_decode_kernel_bf16(int64_t group, c10::BFloat16* out, const c10::BFloat16* q, const c10::BFloat16* k,
+                            const c10::BFloat16* v, const int64_t* tables, const int64_t* lens, int64_t num_seqs,
+                            int64_t num_kv_heads, int64_t block_size, int64_t table_width, int64_t q_stride,
+                            int64_t out_stride, int64_t cache_block_stride, float scale) {
+  auto run = [&](auto kernel) {
+    kernel(out, q, k, v, tables, lens, num_seqs, num_kv_heads, block_size, table_width, q_stride, out_stride,
+           cache_block_stride, scale);
+    return true;
+  };
+  switch (group) {
+    case 1: return run(decode_kernel_bf16<HD, 1>);
+    case 2: return run(decode_kernel_bf16<HD, 2>);
+    case 3: return run(decode_kernel_bf16<HD, 3>);
+    case 4: return run(decode_kernel_bf16<HD, 4>);
+    case 5: return run(decode_kernel_bf16<HD, 5>);
+    case 6: return run(decode_kernel_bf16<HD, 6>);
+    case 7: return run(decode_kernel_bf16<HD, 7>);
+    case 8: return run(decode_kernel_bf16<HD, 8>);
+    default: return false;
+  }
+}
+#endif
+
 // out, q: [S, H, D] (rows may be strided, heads and dims contiguous); caches: [N, B, KVH, D]
 // contiguous within a block; block_tables: [S, W] int64; context_lens: [S] int64 (>= 1).
 void paged_decode_attention_(
@@ -245,6 +378,22 @@ void paged_decode_attention_(
   }
   TORCH_CHECK(k_cache.stride(0) == v_cache.stride(0), "k and v caches must share a layout");
   if (num_seqs == 0) return;
+#ifdef LORAPLANE_AVX512_BF16
+  if (q.scalar_type() == at::kBFloat16 && (head_dim == 64 || head_dim == 128)) {
+    using BF = c10::BFloat16;
+    auto* o = out.data_ptr<BF>();
+    const auto *qp = q.data_ptr<BF>(), *kp = k_cache.data_ptr<BF>(), *vp = v_cache.data_ptr<BF>();
+    const auto *tp = block_tables.data_ptr<int64_t>(), *lp = context_lens.data_ptr<int64_t>();
+    const int64_t group = num_heads / num_kv_heads, w = block_tables.size(1);
+    const bool done =
+        head_dim == 64
+            ? try_decode_kernel_bf16<64>(group, o, qp, kp, vp, tp, lp, num_seqs, num_kv_heads, block_size, w,
+                                         q.stride(0), out.stride(0), k_cache.stride(0), static_cast<float>(scale))
+            : try_decode_kernel_bf16<128>(group, o, qp, kp, vp, tp, lp, num_seqs, num_kv_heads, block_size, w,
+                                          q.stride(0), out.stride(0), k_cache.stride(0), static_cast<float>(scale));
+    if (done) return;
+  }
+#endif
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention_", [&] {
     auto run = [&](auto kernel) {
       kernel(out.data_ptr<scalar_t>(), q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),

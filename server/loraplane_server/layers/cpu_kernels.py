@@ -20,6 +20,10 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "paged_attention_cpu.cpp"
+# -fopenmp: at::parallel_for is an OpenMP pragma in torch's headers; without it the kernel runs on
+# one thread. The extension then links libgomp.so.1, which resolves to the copy torch already loaded.
+CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+LDFLAGS = ["-fopenmp"]
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 
@@ -36,7 +40,9 @@ def _cpu_flags() -> str:
 
 def build_dir() -> Path:
     root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "loraplane" / "kernels"
-    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + _cpu_flags().encode()).hexdigest()[:16]
+    flags = " ".join(CFLAGS + LDFLAGS)
+    parts = [SOURCE.read_bytes(), torch.__version__.encode(), _cpu_flags().encode(), flags.encode()]
+    key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
     return root / f"paged_attention_cpu-{key}"
 
 
@@ -56,7 +62,8 @@ def load() -> bool:
             cpp_extension.load(
                 name="loraplane_paged_attention_cpu",
                 sources=[str(SOURCE)],
-                extra_cflags=["-O3", "-march=native", "-fopenmp-simd"],
+                extra_cflags=CFLAGS,
+                extra_ldflags=LDFLAGS,
                 build_directory=str(directory),
                 is_python_module=False,
                 verbose=False,
