@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -62,3 +64,26 @@ def test_thread_count_does_not_change_the_result() -> None:
     finally:
         torch.set_num_threads(before)
     assert torch.equal(one, many)
+
+
+def test_engine_falls_back_to_torch_without_the_kernel(tiny_llama_dir) -> None:
+    """Where the kernel cannot be built, auto serves on the torch path and cpu_kernel says why it cannot."""
+    import subprocess
+    import sys
+
+    script = (
+        "from loraplane_server.config import EngineConfig\n"
+        "from loraplane_server.engine import LLMEngine\n"
+        f"cfg = dict(model={str(tiny_llama_dir)!r}, dtype='float32', num_kv_blocks=16)\n"
+        "print(LLMEngine(EngineConfig(**cfg)).attention_backend)\n"
+        "try:\n"
+        "    LLMEngine(EngineConfig(**cfg, attention_backend='cpu_kernel'))\n"
+        "except RuntimeError as error:\n"
+        "    print('refused:', error)\n"
+    )
+    env = {**os.environ, "LORAPLANE_DISABLE_CPU_KERNELS": "1"}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.strip().splitlines()
+    assert lines[0] == "torch"
+    assert lines[1].startswith("refused:") and "LORAPLANE_DISABLE_CPU_KERNELS" in lines[1]
