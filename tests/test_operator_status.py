@@ -138,6 +138,16 @@ def test_all_failed_retries_then_fails():
     assert failed["conditions"][0]["reason"] == "Failed"
 
 
+def test_out_of_attempts_is_not_failed_while_a_pod_still_loads():
+    """A pod that joined after the retries ran out (or is still loading) keeps the adapter out of Failed."""
+    broken = result("p-a", row("failed", "source", last_error="not a PEFT adapter"))
+    for late in (result("p-b", row("loading", "disk")), result("p-b", None)):
+        s = status_of([broken, late], attempts=c.MAX_ATTEMPTS)
+        assert s["phase"] == "Loading" and "not a PEFT adapter" in s["message"]
+    both_failed = [broken, result("p-b", row("failed", "source", last_error="not a PEFT adapter"))]
+    assert status_of(both_failed, attempts=c.MAX_ATTEMPTS)["phase"] == "Failed"
+
+
 def test_replicas_counts_only_the_chosen_pods():
     want = st.AdapterWant("french", "/s", "device", replicas=1)
     results = [result("p-a", row(tier="device"), "device"), result("p-b", row("registered", "source"), "none")]

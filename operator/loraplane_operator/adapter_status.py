@@ -134,7 +134,8 @@ def summarize(results: Sequence[PodResult], want: AdapterWant, attempts: int) ->
     first = failures[0]
     reason = first.error or (first.row or {}).get("last_error") or "load failed"
     where = f"{len(failures)}/{len(results)} pods"
-    if ready == 0 and attempts >= c.MAX_ATTEMPTS:
+    if ready == 0 and attempts >= c.MAX_ATTEMPTS and not is_loading:
+        # Failed only once no pod is still loading it (a pod that joined late gets its own try)
         phase, message = c.PHASE_FAILED, f"failed on {where} after {attempts} attempts: {reason}"
     elif ready == 0:
         phase, message = c.PHASE_LOADING, f"retrying (attempt {attempts}/{c.MAX_ATTEMPTS}) on {where}: {reason}"
