@@ -157,7 +157,8 @@ def test_models_and_adapter_admin(server: ServerProcess, oai: OpenAI, adapter_di
     assert r.status_code == 200, r.text
     assert r.json()["tier"] == "device" and r.json()["state"] == "ready" and r.json()["pinned"] is True
     assert r.json()["rank"] == 8 and r.json()["size_bytes"] > 0
-    rows = {row["id"]: row for row in httpx.get(f"{url}/v1/adapters").json()["data"]}
+    assert httpx.get(f"{url}/v1/adapters").status_code == 401  # rows name sources: admin only
+    rows = {row["id"]: row for row in httpx.get(f"{url}/v1/adapters", headers=auth).json()["data"]}
     assert rows["copy-of-a00"]["tier"] == "device" and set(ADAPTERS) <= set(rows)
     same = [
         oai.completions.create(model=m, prompt=PROMPTS[1], max_tokens=8, temperature=0).choices[0].text
@@ -268,5 +269,6 @@ def test_lorax_registers_an_allowed_adapter_source_on_the_fly(
     body["parameters"]["adapter_source"] = str(adapter_dir / "a01")  # the same id, another source
     r = httpx.post(f"{server.url}/generate", json=body, timeout=60)
     assert r.status_code == 409 and r.json()["error_type"] == "validation"
-    ids = [row["id"] for row in httpx.get(f"{server.url}/v1/adapters").json()["data"]]
+    rows = httpx.get(f"{server.url}/v1/adapters", headers=admin_headers()).json()["data"]
+    ids = [row["id"] for row in rows]
     assert "fly-a02" in ids and any(i.endswith("--a02") for i in ids)

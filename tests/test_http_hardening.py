@@ -167,13 +167,16 @@ def test_admin_routes_need_the_token(server: ServerProcess, adapter_dir: Path) -
         ("POST", "/v1/load_lora_adapter", {"lora_name": "x1", "lora_path": str(adapter_dir / "a00")}),
         ("POST", "/v1/unload_lora_adapter", {"lora_name": "a00"}),
         ("GET", "/v1/debug/engine", None),
+        ("GET", "/v1/adapters", None),
+        ("GET", "/v1/adapters/a00", None),
     ]
     for headers in ({}, {"Authorization": "Bearer wrong-token-123"}, {"Authorization": ADMIN_TOKEN}):
         for method, path, body in calls:
             r = httpx.request(method, f"{url}{path}", json=body, headers=headers)
             assert r.status_code == 401, (method, path, r.text)
             assert r.headers["www-authenticate"] == "Bearer"
-    assert "a00" in [row["id"] for row in httpx.get(f"{url}/v1/adapters").json()["data"]]  # nothing changed
+    rows = httpx.get(f"{url}/v1/adapters", headers=admin_headers()).json()["data"]
+    assert "a00" in [row["id"] for row in rows]  # nothing changed
     assert httpx.get(f"{url}/v1/debug/engine", headers=admin_headers()).status_code == 200
 
 
@@ -199,7 +202,7 @@ def test_sources_outside_the_allowlist_get_403(server: ServerProcess, tmp_path: 
     assert r.status_code == 403 and r.json()["error_type"] == "validation"
     r = generate(url, max_new_tokens=2, adapter_id=str(outside), adapter_source="local")
     assert r.status_code == 403
-    assert "evil" not in [row["id"] for row in httpx.get(f"{url}/v1/adapters").json()["data"]]
+    assert "evil" not in [row["id"] for row in httpx.get(f"{url}/v1/adapters", headers=auth).json()["data"]]
 
 
 def test_huge_bodies_get_413(server: ServerProcess) -> None:

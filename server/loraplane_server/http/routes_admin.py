@@ -1,5 +1,6 @@
 """Adapter admin: /v1/adapters (ours), /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's), and a
-debug view of the engine. Mutations and the debug view need the admin token when one is set."""
+debug view of the engine. Every route here needs the admin token when one is set: the rows carry
+adapter sources (bucket paths, URLs) that are not for API clients, who see adapter ids in /v1/models."""
 
 from __future__ import annotations
 
@@ -15,13 +16,13 @@ router = APIRouter(tags=["admin"])
 admin = [Depends(require_admin)]
 
 
-@router.get("/v1/adapters")
+@router.get("/v1/adapters", dependencies=admin)
 async def list_adapters(request: Request) -> dict:
     """Every known adapter: tier, state, size, rank, pinned, last error."""
     return {"object": "list", "data": await adapter_admin.rows(get_state(request))}
 
 
-@router.get("/v1/adapters/{adapter_id}")
+@router.get("/v1/adapters/{adapter_id}", dependencies=admin)
 async def get_adapter(adapter_id: str, request: Request) -> dict:
     return await adapter_admin.row(get_state(request), check_adapter_id(adapter_id, "adapter_id"))
 
