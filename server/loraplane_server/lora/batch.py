@@ -73,8 +73,9 @@ class LoRABatch:
         if self.dense is not None and w:
             self._decode_dense(a, b, w, x[:nd], out[:nd])
         elif self.decode_slots is not None and w:
+            bt = self.slots.bt[layer.kind][layer.layer_idx]  # [S+1, P*R, out]: a slot's rows are contiguous
             h = torch.bmm(a[:, :w][self.decode_slots], x[:nd].unsqueeze(-1))  # [Bd, w, 1]
-            out[:nd] += torch.bmm(b[:, :, :w][self.decode_slots], h).squeeze(-1)  # [Bd, out]
+            out[:nd] += torch.bmm(h.transpose(1, 2), bt[:, :w][self.decode_slots]).squeeze(1)  # [Bd, out]
         for start, end, slot in self.segments:
             w = self.slots.widths[slot].get(layer.kind)
             if w:
@@ -86,9 +87,9 @@ class LoRABatch:
         used, onehot = self.dense
         u = used.numel()
         a_used = a[used, :w].reshape(u * w, -1)  # [U*w, in]
-        b_used = b[used, :, :w].permute(1, 0, 2).reshape(b.shape[1], u * w)  # [out, U*w]
+        bt_used = b.transpose(-1, -2)[used, :w].reshape(u * w, b.shape[1])  # [U*w, out]
         h = (x @ a_used.T).view(-1, u, w) * onehot.to(x.dtype).unsqueeze(-1)  # [Bd, U, w], own slot only
-        out += h.view(-1, u * w) @ b_used.T
+        out += h.view(-1, u * w) @ bt_used
 
     # triton
     def _build_triton_segments(self, decode_slots: list[int], device: torch.device) -> None:

@@ -1,8 +1,9 @@
 """Device-resident LoRA weights: one stacked tensor pair per merged layer kind, slot-indexed.
 
 For a merged layer with P projections (q|k|v: P=3), slot s holds A as [P*R, in] and B as
-[out, P*R]: projection p's A rows sit at [p*r, p*r + r_p) and its B columns likewise, where r is
-the slot's rank, so B is block-diagonal and one shrink plus one expand cover all P projections.
+[out, P*R] (stored transposed, see `bt`): projection p's A rows sit at [p*r, p*r + r_p) and its
+B columns likewise, where r is the slot's rank, so B is block-diagonal and one shrink plus one
+expand cover all P projections.
 Slot index num_slots is all zeros: tokens without an adapter gather it and add nothing.
 """
 
@@ -29,10 +30,14 @@ class LoRASlots:
         num_layers = model.args.num_layers
         self.a: dict[str, torch.Tensor] = {}
         self.b: dict[str, torch.Tensor] = {}
+        self.bt: dict[str, torch.Tensor] = {}
         for kind, lin in self.layouts.items():
             width = len(lin.names) * max_rank
             self.a[kind] = torch.zeros(num_layers, num_slots + 1, width, lin.in_features, dtype=dtype, device=device)
-            self.b[kind] = torch.zeros(num_layers, num_slots + 1, lin.out_features, width, dtype=dtype, device=device)
+            # B is stored transposed, [width, out] per slot, so a decode gather of a slot's first w rows
+            # copies contiguous rows; `b` is the [out, width] view of the same memory
+            self.bt[kind] = torch.zeros(num_layers, num_slots + 1, width, lin.out_features, dtype=dtype, device=device)
+            self.b[kind] = self.bt[kind].transpose(-1, -2)
         self.widths: list[dict[str, int]] = [{} for _ in range(num_slots + 1)]  # used columns per kind
         self.adapter_in: list[str | None] = [None] * num_slots
 
