@@ -68,6 +68,36 @@ inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
+// One online-softmax step for one query head over one block: turns the scores sg[0..n) into
+// exp(score - new max), folds them into the running max m and denominator l, and returns the
+// factor exp(old max - new max) by which that head's output accumulator must be rescaled.
+inline float online_softmax_block(float* sg, int64_t n, float& m, float& l) {
+  float mx = m;
+#pragma omp simd reduction(max : mx)
+  for (int64_t t = 0; t < n; ++t) mx = std::max(mx, sg[t]);
+  const float correction = std::exp(m - mx);  // exp(-inf) = 0 on the first block
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t t = 0; t < n; ++t) {
+    sg[t] = exp_nonpositive(sg[t] - mx);
+    sum += sg[t];
+  }
+  l = l * correction + sum;
+  m = mx;
+  return correction;
+}
+
+// The blocks are scattered over the pool: fetch the next block's rows while this one computes.
+template <typename T>
+inline void prefetch_block(const T* k, const T* v, int64_t block_size, int64_t row_stride, int64_t head_dim) {
+  for (int64_t t = 0; t < block_size; ++t) {
+    for (int64_t byte = 0; byte < head_dim * static_cast<int64_t>(sizeof(T)); byte += 64) {
+      __builtin_prefetch(reinterpret_cast<const char*>(k + t * row_stride) + byte);
+      __builtin_prefetch(reinterpret_cast<const char*>(v + t * row_stride) + byte);
+    }
+  }
+}
+
 inline float dot(const float* a, const float* b, int64_t n) {
   float s = 0.f;
 #pragma omp simd reduction(+ : s)
@@ -204,35 +234,17 @@ void decode_kernel(
       for (int64_t b = 0; b < num_blocks; ++b) {
         const int64_t n = std::min(block_size, ctx - b * block_size);
         const int64_t base = table[b] * cache_block_stride + kvh * D;
-        if (b + 1 < num_blocks) {  // the blocks are scattered: fetch the next one while this one computes
+        if (b + 1 < num_blocks) {
           const int64_t next = table[b + 1] * cache_block_stride + kvh * D;
-          for (int64_t t = 0; t < block_size; ++t) {
-            for (int64_t byte = 0; byte < D * static_cast<int64_t>(sizeof(T)); byte += 64) {
-              __builtin_prefetch(reinterpret_cast<const char*>(k_cache + next + t * row_stride) + byte);
-              __builtin_prefetch(reinterpret_cast<const char*>(v_cache + next + t * row_stride) + byte);
-            }
-          }
+          prefetch_block(k_cache + next, v_cache + next, block_size, row_stride, D);
         }
         block_scores(k_cache + base, n, row_stride, scores.data(), block_size);
         for (int64_t g = 0; g < group; ++g) {
-          float* sg = scores.data() + g * block_size;
-          float mx = m[g];
-#pragma omp simd reduction(max : mx)
-          for (int64_t t = 0; t < n; ++t) mx = std::max(mx, sg[t]);
-          const float correction = std::exp(m[g] - mx);  // exp(-inf) = 0 on the first block
-          float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-          for (int64_t t = 0; t < n; ++t) {
-            sg[t] = exp_nonpositive(sg[t] - mx);
-            sum += sg[t];
-          }
-          sum += l[g] * correction;
+          const float correction = online_softmax_block(scores.data() + g * block_size, n, m[g], l[g]);
           if (correction != 1.f) {
             float* ag = acc.data() + g * D;
             for (int64_t d = 0; d < D; ++d) ag[d] *= correction;
           }
-          m[g] = mx;
-          l[g] = sum;
         }
         accumulate_values<T, HD>(v_cache + base, n, row_stride, scores.data(), block_size, group, D, row.data(),
                                  acc.data());
@@ -277,30 +289,13 @@ void decode_kernel_bf16(
       for (int64_t b = 0; b < num_blocks; ++b) {
         const int64_t n = std::min(block_size, ctx - b * block_size);
         const int64_t base = table[b] * cache_block_stride + kvh * HD;
-        if (b + 1 < num_blocks) {  // the blocks are scattered: fetch the next one while this one computes
+        if (b + 1 < num_blocks) {
           const int64_t next = table[b + 1] * cache_block_stride + kvh * HD;
-          for (int64_t t = 0; t < block_size; ++t) {
-            for (int64_t byte = 0; byte < HD * 2; byte += 64) {
-              __builtin_prefetch(reinterpret_cast<const char*>(k_cache + next + t * row_stride) + byte);
-              __builtin_prefetch(reinterpret_cast<const char*>(v_cache + next + t * row_stride) + byte);
-            }
-          }
+          prefetch_block(k_cache + next, v_cache + next, block_size, row_stride, HD);
         }
         block_scores(k_cache + base, n, row_stride, scores.data(), block_size);
         for (int64_t g = 0; g < G; ++g) {
-          float* sg = scores.data() + g * block_size;
-          float mx = m[g];
-          for (int64_t t = 0; t < n; ++t) mx = std::max(mx, sg[t]);
-          const float correction = std::exp(m[g] - mx);
-          float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-          for (int64_t t = 0; t < n; ++t) {
-            sg[t] = exp_nonpositive(sg[t] - mx);
-            sum += sg[t];
-          }
-          l[g] = l[g] * correction + sum;
-          m[g] = mx;
-          const __m512 cv = _mm512_set1_ps(correction);
+          const __m512 cv = _mm512_set1_ps(online_softmax_block(scores.data() + g * block_size, n, m[g], l[g]));
           for (int64_t c = 0; c < C; ++c) acc[g][c] = _mm512_mul_ps(acc[g][c], cv);
         }
         for (int64_t t = 0; t < n; ++t) {

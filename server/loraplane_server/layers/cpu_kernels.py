@@ -1,6 +1,6 @@
 """Builds and loads the CPU attention kernel (csrc/paged_attention_cpu.cpp), once per machine.
 
-The source is compiled with torch's extension builder into the user cache, keyed by the source,
+The source is compiled with torch's extension builder into the user cache (`cache_root()/kernels`), keyed by the source,
 torch's version and the CPU's flags (it is built for this CPU). When no compiler is available
 or the build fails, `load()` returns False with the reason in `load_error()` and the engine
 keeps its torch attention path.
@@ -16,6 +16,8 @@ import threading
 from pathlib import Path
 
 import torch
+
+from loraplane_server.builtin import cache_root
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +41,7 @@ def _cpu_flags() -> str:
 
 
 def build_dir() -> Path:
-    root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "loraplane" / "kernels"
+    root = cache_root() / "kernels"
     flags = " ".join(CFLAGS + LDFLAGS)
     parts = [SOURCE.read_bytes(), torch.__version__.encode(), _cpu_flags().encode(), flags.encode()]
     key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
