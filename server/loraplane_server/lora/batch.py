@@ -70,24 +70,24 @@ class LoRABatch:
             return self._apply_triton(layer.kind, a, b, x, out)
         nd = self.num_decode
         w = self.decode_width[layer.kind]
+        bt = self.slots.bt[layer.kind][layer.layer_idx]  # [S+1, P*R, out]: a slot's B^T rows are contiguous
         if self.dense is not None and w:
-            self._decode_dense(a, b, w, x[:nd], out[:nd])
+            self._decode_dense(a, bt, w, x[:nd], out[:nd])
         elif self.decode_slots is not None and w:
-            bt = self.slots.bt[layer.kind][layer.layer_idx]  # [S+1, P*R, out]: a slot's rows are contiguous
             h = torch.bmm(a[:, :w][self.decode_slots], x[:nd].unsqueeze(-1))  # [Bd, w, 1]
             out[:nd] += torch.bmm(h.transpose(1, 2), bt[:, :w][self.decode_slots]).squeeze(1)  # [Bd, out]
         for start, end, slot in self.segments:
             w = self.slots.widths[slot].get(layer.kind)
             if w:
-                out[start:end] += (x[start:end] @ a[slot, :w].T) @ b[slot, :, :w].T
+                out[start:end] += (x[start:end] @ a[slot, :w].T) @ bt[slot, :w]
         return out
 
-    def _decode_dense(self, a: torch.Tensor, b: torch.Tensor, w: int, x: torch.Tensor, out: torch.Tensor) -> None:
+    def _decode_dense(self, a: torch.Tensor, bt: torch.Tensor, w: int, x: torch.Tensor, out: torch.Tensor) -> None:
         assert self.dense is not None
         used, onehot = self.dense
         u = used.numel()
         a_used = a[used, :w].reshape(u * w, -1)  # [U*w, in]
-        bt_used = b.transpose(-1, -2)[used, :w].reshape(u * w, b.shape[1])  # [U*w, out]
+        bt_used = bt[used, :w].reshape(u * w, bt.shape[-1])  # [U*w, out]
         h = (x @ a_used.T).view(-1, u, w) * onehot.to(x.dtype).unsqueeze(-1)  # [Bd, U, w], own slot only
         out += h.view(-1, u * w) @ bt_used
 
