@@ -74,10 +74,11 @@ def test_engine_falls_back_to_torch_without_the_kernel(tiny_llama_dir) -> None:
     script = (
         "from loraplane_server.config import EngineConfig\n"
         "from loraplane_server.engine import LLMEngine\n"
-        f"cfg = dict(model={str(tiny_llama_dir)!r}, dtype='float32', num_kv_blocks=16)\n"
-        "print(LLMEngine(EngineConfig(**cfg)).attention_backend)\n"
+        f"cfg = dict(model={str(tiny_llama_dir)!r}, num_kv_blocks=16)\n"
+        "engine = LLMEngine(EngineConfig(**cfg, dtype='bfloat16'))\n"
+        "print(engine.attention_backend, engine.linear_backend)\n"
         "try:\n"
-        "    LLMEngine(EngineConfig(**cfg, attention_backend='cpu_kernel'))\n"
+        "    LLMEngine(EngineConfig(**cfg, dtype='float32', attention_backend='cpu_kernel'))\n"
         "except RuntimeError as error:\n"
         "    print('refused:', error)\n"
     )
@@ -85,5 +86,5 @@ def test_engine_falls_back_to_torch_without_the_kernel(tiny_llama_dir) -> None:
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.strip().splitlines()
-    assert lines[0] == "torch"
+    assert lines[0] == "torch torch"
     assert lines[1].startswith("refused:") and "LORAPLANE_DISABLE_CPU_KERNELS" in lines[1]

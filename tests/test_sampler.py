@@ -28,7 +28,7 @@ def repeat(params: SamplingParams, n: int) -> list[SamplingParams]:
 def test_greedy_is_argmax_with_logprobs(dtype):
     torch.manual_seed(0)
     logits = torch.randn(6, 50).to(dtype)
-    tokens, logprobs = run(logits, repeat(SamplingParams(), 6))
+    tokens, logprobs = run(logits, repeat(SamplingParams(logprobs=True), 6))
     expected = logits.float().argmax(-1)
     assert tokens.dtype == torch.int64 and logprobs.dtype == torch.float32
     assert torch.equal(tokens, expected)
@@ -49,11 +49,20 @@ def test_top_k_one_and_tiny_top_p_are_argmax():
 def test_greedy_rows_stay_argmax_in_mixed_batch():
     torch.manual_seed(2)
     logits = torch.randn(8, 40)
-    params = [SamplingParams() if i % 2 == 0 else SamplingParams(temperature=2.0) for i in range(8)]
+    params = [SamplingParams(logprobs=True) if i % 2 == 0 else SamplingParams(temperature=2.0) for i in range(8)]
+    params[1] = SamplingParams(temperature=2.0, logprobs=True)
     tokens, logprobs = run(logits, params)
     assert torch.equal(tokens[::2], logits[::2].argmax(-1))
     ref = logits.log_softmax(-1).gather(1, tokens[:, None]).squeeze(1)
-    torch.testing.assert_close(logprobs, ref)  # logprobs ignore the temperature
+    asked = torch.tensor([p.logprobs for p in params])
+    torch.testing.assert_close(logprobs[asked], ref[asked])  # logprobs ignore the temperature
+    assert bool(logprobs[~asked].isnan().all())  # rows that did not ask get none computed
+
+
+def test_no_logprobs_computed_when_no_row_asks():
+    logits = torch.randn(4, 30)
+    tokens, logprobs = run(logits, repeat(SamplingParams(), 4))
+    assert torch.equal(tokens, logits.argmax(-1)) and bool(logprobs.isnan().all())
 
 
 # top-k
@@ -85,7 +94,7 @@ def test_repetition_penalty_matches_transformers(penalty):
     logits = torch.randn(3, 64)
     seen = torch.randint(0, 64, (3, 12))
     ref = RepetitionPenaltyLogitsProcessor(penalty)(seen, logits.clone())
-    params = repeat(SamplingParams(repetition_penalty=penalty), 3)
+    params = repeat(SamplingParams(repetition_penalty=penalty, logprobs=True), 3)
     out = apply_repetition_penalty(logits, params, seen.tolist())
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
     tokens, logprobs = run(logits, params, seen=seen.tolist())

@@ -1,9 +1,11 @@
-"""Builds and loads the CPU attention kernel (csrc/paged_attention_cpu.cpp), once per machine.
+"""Builds and loads the CPU kernels (csrc/*.cpp), once per machine: decode attention over the
+paged KV cache, and a linear layer for decode steps of a few rows (bf16).
 
-The source is compiled with torch's extension builder into the user cache (`cache_root()/kernels`), keyed by the source,
-torch's version and the CPU's flags (it is built for this CPU). When no compiler is available
+The sources are compiled with torch's extension builder into the user cache
+(`cache_root()/kernels`), keyed by the sources, torch's version and the CPU's flags (it is built
+for this CPU). When no compiler is available
 or the build fails, `load()` returns False with the reason in `load_error()` and the engine
-keeps its torch attention path.
+keeps its torch paths.
 """
 
 from __future__ import annotations
@@ -21,7 +23,10 @@ from loraplane_server.builtin import cache_root
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "paged_attention_cpu.cpp"
+CSRC = Path(__file__).resolve().parent.parent / "csrc"
+SOURCES = (CSRC / "paged_attention_cpu.cpp", CSRC / "linear_cpu.cpp")
+# up to this many rows of x, small_m_linear beats torch's bf16 GEMM on the CPU (bench/linear.py)
+SMALL_M_MAX_ROWS = 16
 # -fopenmp: at::parallel_for is an OpenMP pragma in torch's headers; without it the kernel runs on
 # one thread. The extension then links libgomp.so.1, which resolves to the copy torch already loaded.
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
@@ -43,9 +48,10 @@ def _cpu_flags() -> str:
 def build_dir() -> Path:
     root = cache_root() / "kernels"
     flags = " ".join(CFLAGS + LDFLAGS)
-    parts = [SOURCE.read_bytes(), torch.__version__.encode(), _cpu_flags().encode(), flags.encode()]
+    sources = [source.read_bytes() for source in SOURCES]
+    parts = [*sources, torch.__version__.encode(), _cpu_flags().encode(), flags.encode()]
     key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
-    return root / f"paged_attention_cpu-{key}"
+    return root / f"loraplane_cpu-{key}"
 
 
 def load() -> bool:
@@ -62,17 +68,18 @@ def load() -> bool:
             directory = build_dir()
             directory.mkdir(parents=True, exist_ok=True)
             cpp_extension.load(
-                name="loraplane_paged_attention_cpu",
-                sources=[str(SOURCE)],
+                name="loraplane_cpu_kernels",
+                sources=[str(source) for source in SOURCES],
                 extra_cflags=CFLAGS,
                 extra_ldflags=LDFLAGS,
                 build_directory=str(directory),
                 is_python_module=False,
                 verbose=False,
             )
-            _state.update(ok=hasattr(torch.ops.loraplane, "paged_decode_attention_"), error=None)
+            ops = ("paged_decode_attention_", "small_m_linear_")
+            _state.update(ok=all(hasattr(torch.ops.loraplane, op) for op in ops), error=None)
         except Exception as error:  # no compiler, no ninja, a build error: keep the torch path
-            log.warning("CPU attention kernel unavailable, using the torch path: %s", error)
+            log.warning("CPU kernels unavailable, using the torch paths: %s", error)
             _state.update(ok=False, error=f"{type(error).__name__}: {error}")
         return bool(_state["ok"])
 
@@ -92,4 +99,11 @@ def paged_decode_attention(
     """q: [S, H, D]; caches: [N, B, KVH, D]; block_tables: [S, W]; context_lens: [S] -> [S, H, D]."""
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     torch.ops.loraplane.paged_decode_attention_(out, q, k_cache, v_cache, block_tables, context_lens, scale)
+    return out
+
+
+def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear for x [M, K] with few rows: weight [N, K] contiguous -> [M, N] (bf16 is the fast case)."""
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
+    torch.ops.loraplane.small_m_linear_(out, x, weight, bias)
     return out

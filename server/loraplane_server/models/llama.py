@@ -13,7 +13,7 @@ from torch import nn
 
 from loraplane_server.forward_batch import ForwardBatch
 from loraplane_server.layers.attention import paged_attention
-from loraplane_server.layers.linear import ProjectionLinear
+from loraplane_server.layers.linear import ProjectionLinear, base_linear
 from loraplane_server.layers.norm import RMSNorm
 from loraplane_server.layers.rotary import RotaryEmbedding, apply_rotary
 
@@ -143,7 +143,7 @@ class LlamaForCausalLM(nn.Module):
             x = x[batch.logits_indices]
         x = self.norm(x)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(x, weight)
+        return base_linear(x, weight, None, batch.small_linear)
 
     def projection(self, layer: int, name: str) -> ProjectionLinear:
         """The ProjectionLinear holding target module `name` of layer `layer`."""

@@ -1,0 +1,99 @@
+"""The compiled small-batch linear kernel against fp32 torch, and the bf16 engine that uses it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from loraplane_server.config import EngineConfig
+from loraplane_server.engine import LLMEngine
+from loraplane_server.layers import cpu_kernels
+from loraplane_server.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason=f"kernel did not build: {cpu_kernels.load_error()}")
+
+
+def within_bf16_rounding(out: torch.Tensor, ref: torch.Tensor) -> bool:
+    """out (bf16) is ref (fp32) rounded once to bf16: half a bf16 ulp (2^-8 relative), plus fp32 sum-order slack."""
+    slack = 1e-5 * ref.abs().max().item() + 1e-6
+    return bool(((out.float() - ref).abs() <= ref.abs() * 2**-8 * 1.001 + slack).all())
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 13, 16])
+@pytest.mark.parametrize(("k", "n"), [(576, 960), (1536, 576), (100, 37), (32, 1), (17, 64)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_matches_fp32_reference(rows: int, k: int, n: int, with_bias: bool) -> None:
+    gen = torch.Generator().manual_seed(rows * 1000 + k + n)
+    x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
+    w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
+    b = torch.randn(n, generator=gen).to(torch.bfloat16) if with_bias else None
+    ref = F.linear(x.float(), w.float(), None if b is None else b.float())
+    out = cpu_kernels.small_m_linear(x, w, b)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, n)
+    assert within_bf16_rounding(out, ref)
+
+
+def test_strided_rows_of_x() -> None:
+    """x may be a column slice of a wider tensor (rows strided), as a split of a merged projection is."""
+    wide = torch.randn(6, 700).to(torch.bfloat16)
+    x = wide[:, 50:626]  # [6, 576], row stride 700
+    w = torch.randn(96, 576).to(torch.bfloat16)
+    assert within_bf16_rounding(cpu_kernels.small_m_linear(x, w), F.linear(x.float(), w.float()))
+
+
+def test_other_dtypes_fall_back_to_torch() -> None:
+    x, w = torch.randn(3, 40), torch.randn(10, 40)
+    assert torch.equal(cpu_kernels.small_m_linear(x, w), F.linear(x, w))
+    assert cpu_kernels.small_m_linear(x[:0], w).shape == (0, 10)
+
+
+def test_bad_inputs_are_refused() -> None:
+    x, w = torch.randn(3, 64).to(torch.bfloat16), torch.randn(8, 64).to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="columns"):
+        cpu_kernels.small_m_linear(x, w[:, :32].contiguous())
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        cpu_kernels.small_m_linear(x, w.float())
+    with pytest.raises(RuntimeError, match="contiguous"):
+        cpu_kernels.small_m_linear(x, w.t().contiguous().t())
+    with pytest.raises(RuntimeError, match="bias"):
+        cpu_kernels.small_m_linear(x, w, torch.zeros(7, dtype=torch.bfloat16))
+
+
+def test_thread_count_does_not_change_the_result() -> None:
+    x, w = torch.randn(9, 576).to(torch.bfloat16), torch.randn(3000, 576).to(torch.bfloat16)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_kernels.small_m_linear(x, w)
+        torch.set_num_threads(2)
+        many = cpu_kernels.small_m_linear(x, w)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, many)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("linear", ["cpu_kernel", "torch"])
+def test_bf16_engine_follows_the_fp32_model(linear: str, smollm2_dir: Path) -> None:
+    """bf16 greedy output cannot equal fp32 token for token, so check it the other way: score the
+    engine's own output with transformers in fp32 (teacher forcing). Every token the engine chose
+    must be the fp32 model's top token or within bf16 noise of it, and its logprob must match."""
+    from transformers import AutoModelForCausalLM
+
+    engine = LLMEngine(EngineConfig(model=str(smollm2_dir), dtype="bfloat16", linear_backend=linear, max_num_seqs=8))
+    assert engine.linear_backend == linear
+    texts = ["The capital of France is", "def add(a, b):\n   ", "Three primary colors are", "Once upon a time"]
+    prompts = [engine.tokenizer.encode(t) for t in texts]
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True, logprobs=True)
+    outs = engine.generate(prompts, params)
+    hf = AutoModelForCausalLM.from_pretrained(str(smollm2_dir), dtype=torch.float32).eval()
+    for prompt, out in zip(prompts, outs, strict=True):
+        ids = torch.tensor([prompt + out.token_ids])
+        with torch.no_grad():
+            logp = hf(ids).logits[0, len(prompt) - 1 : -1].float().log_softmax(-1)  # [new, V]
+        chosen = logp.gather(1, torch.tensor(out.token_ids)[:, None])[:, 0]
+        assert bool((chosen >= logp.max(-1).values - 0.25).all()), (linear, out.token_ids)
+        assert torch.allclose(torch.tensor(out.logprobs), chosen, atol=0.25), (linear, out.logprobs)
