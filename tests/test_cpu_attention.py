@@ -76,7 +76,7 @@ def test_engine_falls_back_to_torch_without_the_kernel(tiny_llama_dir) -> None:
         "from loraplane_server.engine import LLMEngine\n"
         f"cfg = dict(model={str(tiny_llama_dir)!r}, num_kv_blocks=16)\n"
         "engine = LLMEngine(EngineConfig(**cfg, dtype='bfloat16'))\n"
-        "print(engine.attention_backend, engine.linear_backend)\n"
+        "print(engine.attention_backend, engine.layer_backend)\n"
         "try:\n"
         "    LLMEngine(EngineConfig(**cfg, dtype='float32', attention_backend='cpu_kernel'))\n"
         "except RuntimeError as error:\n"

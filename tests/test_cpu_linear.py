@@ -83,8 +83,8 @@ def test_bf16_engine_follows_the_fp32_model(linear: str, smollm2_dir: Path) -> N
     must be the fp32 model's top token or within bf16 noise of it, and its logprob must match."""
     from transformers import AutoModelForCausalLM
 
-    engine = LLMEngine(EngineConfig(model=str(smollm2_dir), dtype="bfloat16", linear_backend=linear, max_num_seqs=8))
-    assert engine.linear_backend == linear
+    engine = LLMEngine(EngineConfig(model=str(smollm2_dir), dtype="bfloat16", layer_backend=linear, max_num_seqs=8))
+    assert engine.layer_backend == linear
     texts = ["The capital of France is", "def add(a, b):\n   ", "Three primary colors are", "Once upon a time"]
     prompts = [engine.tokenizer.encode(t) for t in texts]
     params = SamplingParams(max_new_tokens=24, ignore_eos=True, logprobs=True)

@@ -86,3 +86,17 @@ def test_tiny_mixed_batch_matches_peft(
 @pytest.mark.slow
 def test_smollm2_mixed_batch_matches_peft(smollm2_dir: Path, tmp_path: Path) -> None:
     check_against_peft(smollm2_dir, tmp_path, 49152, 4, b_scale=1.0)
+
+
+def test_one_adapter_alone_matches_peft(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """Every decode row on one adapter (a lone request or one hot adapter) takes the single-slot path."""
+    name, spec = next(iter(ADAPTER_SPECS.items()))
+    path = make_peft_adapter(tiny_llama_dir, tmp_path / name, seed=0, b_scale=1.0, **spec)
+    engine = LLMEngine(
+        EngineConfig(model=str(tiny_llama_dir), dtype="float32", block_size=4, num_kv_blocks=64, max_lora_rank=16)
+    )
+    engine.adapters.register(name, str(path))
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (7, 19)]
+    work = [(name, prompts[0], 9, 0), (name, prompts[1], 6, 0)]
+    assert run_mixed(engine, work) == peft_greedy(tiny_llama_dir, path, prompts, [9, 6])

@@ -24,10 +24,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         help="decode attention: auto uses Triton on CUDA and the compiled CPU kernel on the CPU when it builds",
     )
     p.add_argument(
-        "--linear-backend",
+        "--layer-backend",
         default="auto",
         choices=["auto", "torch", "cpu_kernel"],
-        help="linear layers of small decode steps: auto uses the compiled CPU kernel on the CPU in bf16",
+        help="dense layers: auto uses the compiled CPU kernels (few-row linear, fused norms) on the CPU in bf16",
     )
 
 
@@ -47,7 +47,7 @@ def _config(a: argparse.Namespace) -> EngineConfig:
         max_num_batched_tokens=a.max_num_batched_tokens,
         kv_cache_bytes=int(a.kv_cache_gib * 2**30),
         attention_backend=a.attention_backend,
-        linear_backend=a.linear_backend,
+        layer_backend=a.layer_backend,
     )
 
 
@@ -120,7 +120,7 @@ def _server_config(a: argparse.Namespace):  # noqa: ANN202 - imported lazily: ch
         disk_cache_bytes=a.disk_cache_bytes,
         disk_cache_dir=a.disk_cache_dir,
         attention_backend=a.attention_backend,
-        linear_backend=a.linear_backend,
+        layer_backend=a.layer_backend,
     )
     return ServerConfig(
         engine=engine,

@@ -30,9 +30,9 @@ class EngineConfig:
     # decode attention: auto (triton on CUDA, cpu_kernel on the CPU when it builds, else torch) | torch | cpu_kernel
     # | triton
     attention_backend: str = "auto"
-    # linear layers of steps with few rows (decode): auto (cpu_kernel on the CPU in bf16 when it builds, else
-    # torch) | torch | cpu_kernel
-    linear_backend: str = "auto"
+    # dense layers (few-row linear, fused norm/rotary/activation): auto (cpu_kernel on the CPU in bf16 when
+    # it builds, else torch) | torch | cpu_kernel
+    layer_backend: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
@@ -47,7 +47,7 @@ class EngineConfig:
             raise ValueError(
                 f"attention_backend={self.attention_backend!r}: expected auto, torch, cpu_kernel or triton"
             )
-        if self.linear_backend not in ("auto", "torch", "cpu_kernel"):
-            raise ValueError(f"linear_backend={self.linear_backend!r}: expected auto, torch or cpu_kernel")
+        if self.layer_backend not in ("auto", "torch", "cpu_kernel"):
+            raise ValueError(f"layer_backend={self.layer_backend!r}: expected auto, torch or cpu_kernel")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ValueError("num_kv_blocks must be >= 2")

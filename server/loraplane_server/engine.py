@@ -94,7 +94,7 @@ class LLMEngine:
         lora_slots = LoRASlots(model, config.max_loras, config.max_lora_rank, self.dtype, self.device)
         use_triton = config.lora_backend == "triton" or (config.lora_backend == "auto" and self.device.type == "cuda")
         self.attention_backend = _attention_backend(config.attention_backend, self.device)
-        self.linear_backend = _linear_backend(config.linear_backend, self.device, self.dtype)
+        self.layer_backend = _layer_backend(config.layer_backend, self.device, self.dtype)
         self.runner = ModelRunner(
             model,
             num_blocks,
@@ -104,7 +104,7 @@ class LLMEngine:
             lora_slots,
             use_triton,
             decode_attention=self.attention_backend,
-            small_linear=self.linear_backend == "cpu_kernel",
+            layer_kernels=self.layer_backend == "cpu_kernel",
         )
         self._device_prewarm: set[str] = set()
         self._errors: dict[str, str] = {}
@@ -382,13 +382,16 @@ def _attention_backend(requested: str, device: torch.device) -> str:
     return "torch"
 
 
-def _linear_backend(requested: str, device: torch.device, dtype: torch.dtype) -> str:
-    """auto: the compiled small-batch linear on the CPU in bf16 when it builds here, torch otherwise."""
+def _layer_backend(requested: str, device: torch.device, dtype: torch.dtype) -> str:
+    """auto: the compiled bf16 layer kernels (few-row linear, fused norm/rotary/activation) on the CPU in bf16
+    when they build here; torch otherwise."""
     if requested == "cpu_kernel":
         if device.type != "cpu":
-            raise ValueError("linear_backend=cpu_kernel runs on the CPU only")
+            raise ValueError("layer_backend=cpu_kernel runs on the CPU only")
+        if dtype != torch.bfloat16:
+            raise ValueError("layer_backend=cpu_kernel needs dtype bfloat16 (its kernels are bf16)")
         if not cpu_kernels.load():
-            raise RuntimeError(f"linear_backend=cpu_kernel: the kernel did not build: {cpu_kernels.load_error()}")
+            raise RuntimeError(f"layer_backend=cpu_kernel: the kernel did not build: {cpu_kernels.load_error()}")
         return "cpu_kernel"
     if requested == "auto" and device.type == "cpu" and dtype == torch.bfloat16 and cpu_kernels.load():
         return "cpu_kernel"

@@ -31,7 +31,8 @@ class ForwardBatch:
     decode_block_tables: torch.Tensor | None  # [Bd, max_blocks] int64, padded with 0
     decode_context_lens: torch.Tensor | None  # [Bd] int64, including the new token
     decode_mask: torch.Tensor | None = None  # [Bd, 1, 1, max_blocks * block_size] bool (torch path only)
-    small_linear: bool = False  # linear layers of steps with few rows run the CPU kernel (layers/linear.py)
+    # bf16 on the CPU: fused norm/rotary/activation kernels, and the few-row linear kernel (layers/*.py)
+    layer_kernels: bool = False
     decode_attention: str = "torch"  # torch (gather + SDPA) | cpu_kernel | triton: the kernels read blocks in place
     prefills: list[PrefillChunk] = field(default_factory=list)
     logits_indices: torch.Tensor | None = None  # [S] rows whose next token is sampled

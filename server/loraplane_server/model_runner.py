@@ -28,7 +28,7 @@ class ModelRunner:
         lora_slots: LoRASlots | None = None,
         use_triton: bool = False,
         decode_attention: str = "torch",
-        small_linear: bool = False,
+        layer_kernels: bool = False,
     ) -> None:
         a = model.args
         self.model = model
@@ -41,7 +41,7 @@ class ModelRunner:
         self.lora_slots = lora_slots
         self.use_triton = use_triton
         self.decode_attention = decode_attention  # torch | cpu_kernel | triton (layers/attention.py)
-        self.small_linear = small_linear  # few-row steps through the CPU linear kernel (layers/linear.py)
+        self.layer_kernels = layer_kernels  # the bf16 CPU layer kernels (csrc/linear_cpu.cpp, csrc/layer_ops_cpu.cpp)
         self.generators: dict[int, torch.Generator | None] = {}  # seq id -> its own RNG
 
     def prepare(self, scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, ForwardBatch, list[Sequence]]:
@@ -82,7 +82,7 @@ class ModelRunner:
             prefills=chunks,
             logits_indices=t(logits_rows),
             decode_attention=self.decode_attention,
-            small_linear=self.small_linear,
+            layer_kernels=self.layer_kernels,
         )
         if lens is not None and tables is not None and self.decode_attention == "torch":
             span = torch.arange(tables.shape[1] * bs, device=self.device)

@@ -1,5 +1,6 @@
 """Builds and loads the CPU kernels (csrc/*.cpp), once per machine: decode attention over the
-paged KV cache, and a linear layer for decode steps of a few rows (bf16).
+paged KV cache, a linear layer for decode steps of a few rows, and the fused elementwise parts of
+a decoder layer (RMSNorm with the residual add, rotary, SiLU-and-multiply; bf16).
 
 The sources are compiled with torch's extension builder into the user cache
 (`cache_root()/kernels`), keyed by the sources, torch's version and the CPU's flags (it is built
@@ -24,7 +25,7 @@ from loraplane_server.builtin import cache_root
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
-SOURCES = (CSRC / "paged_attention_cpu.cpp", CSRC / "linear_cpu.cpp")
+SOURCES = (CSRC / "paged_attention_cpu.cpp", CSRC / "linear_cpu.cpp", CSRC / "layer_ops_cpu.cpp")
 # up to this many rows of x, small_m_linear beats torch's bf16 GEMM on the CPU (bench/linear.py)
 SMALL_M_MAX_ROWS = 16
 # -fopenmp: at::parallel_for is an OpenMP pragma in torch's headers; without it the kernel runs on
@@ -76,7 +77,7 @@ def load() -> bool:
                 is_python_module=False,
                 verbose=False,
             )
-            ops = ("paged_decode_attention_", "small_m_linear_")
+            ops = ("paged_decode_attention_", "small_m_linear_", "add_rms_norm_", "rotary_", "silu_mul_")
             _state.update(ok=all(hasattr(torch.ops.loraplane, op) for op in ops), error=None)
         except Exception as error:  # no compiler, no ninja, a build error: keep the torch path
             log.warning("CPU kernels unavailable, using the torch paths: %s", error)
@@ -106,4 +107,23 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     """F.linear for x [M, K] with few rows: weight [N, K] contiguous -> [M, N] (bf16 is the fast case)."""
     out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
     torch.ops.loraplane.small_m_linear_(out, x, weight, bias)
+    return out
+
+
+def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """residual += delta (in place, when given); returns weight * rmsnorm(residual). bf16 [T, n]."""
+    out = torch.empty_like(residual, memory_format=torch.contiguous_format)
+    torch.ops.loraplane.add_rms_norm_(out, residual, delta, weight, eps)
+    return out
+
+
+def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotates q [T, H, D] and k [T, KVH, D] in place; cos, sin: [T, D]; all bf16."""
+    torch.ops.loraplane.rotary_(q, k, cos, sin)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up = [gate | up] (bf16 [T, 2I]) -> [T, I]."""
+    out = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2, dtype=gate_up.dtype, device=gate_up.device)
+    torch.ops.loraplane.silu_mul_(out, gate_up)
     return out

@@ -14,9 +14,9 @@ from loraplane_server.forward_batch import ForwardBatch
 from loraplane_server.layers import cpu_kernels
 
 
-def base_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, small_linear: bool) -> torch.Tensor:
+def base_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernels: bool) -> torch.Tensor:
     """F.linear, or the CPU kernel when asked and x is a few bf16 rows (decode: weight-read bound)."""
-    if small_linear and x.shape[0] <= cpu_kernels.SMALL_M_MAX_ROWS and x.dtype == torch.bfloat16 and x.dim() == 2:
+    if kernels and x.shape[0] <= cpu_kernels.SMALL_M_MAX_ROWS and x.dtype == torch.bfloat16 and x.dim() == 2:
         if x.stride(-1) == 1 and weight.is_contiguous():
             return cpu_kernels.small_m_linear(x, weight, bias)
     return F.linear(x, weight, bias)
@@ -51,7 +51,7 @@ class ProjectionLinear(nn.Module):
         target.data[lo:hi].copy_(tensor)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        out = base_linear(x, self.weight, self.bias, batch.small_linear)  # [T, out]
+        out = base_linear(x, self.weight, self.bias, batch.layer_kernels)  # [T, out]
         if batch.lora is not None:
             out = batch.lora.apply(self, x, out)
         return out

@@ -1,10 +1,12 @@
-"""RMSNorm, computed in float32 as the reference implementations do."""
+"""RMSNorm, computed in float32 as the reference implementations do; optionally fused with the residual add."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from loraplane_server.layers import cpu_kernels
 
 
 class RMSNorm(nn.Module):
@@ -17,3 +19,12 @@ class RMSNorm(nn.Module):
         # fused, and bitwise equal to x * rsqrt(mean(x^2) + eps) in float32 as transformers computes it
         normed = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
         return self.weight * normed.to(x.dtype)
+
+    def add_forward(self, residual: torch.Tensor, delta: torch.Tensor | None, kernels: bool) -> torch.Tensor:
+        """residual += delta in place (the residual stream), then the norm of it. With `kernels` and
+        bf16 on the CPU, one fused pass (csrc/layer_ops_cpu.cpp)."""
+        if kernels and residual.dtype == torch.bfloat16 and self.weight.dtype == torch.bfloat16:
+            return cpu_kernels.add_rms_norm(residual, delta, self.weight, self.eps)
+        if delta is not None:
+            residual.add_(delta)  # the same rounding as `residual + delta`
+        return self(residual)

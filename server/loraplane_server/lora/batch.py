@@ -43,8 +43,10 @@ class LoRABatch:
             else None
         )
         decode_used = sorted({s for s in decode_slots if s != slots.none_slot})
+        # every decode row on one adapter (a lone request, or one hot adapter): plain matmuls on its slot
+        self.single = decode_used[0] if len(set(decode_slots)) == 1 and decode_used else None
         self.dense = None
-        if 0 < len(decode_used) <= self.DENSE_MAX_SLOTS and not use_triton:
+        if self.single is None and 0 < len(decode_used) <= self.DENSE_MAX_SLOTS and not use_triton:
             pos = {s: i for i, s in enumerate(decode_used)}
             onehot = torch.zeros(len(decode_slots), len(decode_used), device=device)  # [Bd, U]
             for row, s in enumerate(decode_slots):
@@ -71,7 +73,9 @@ class LoRABatch:
         nd = self.num_decode
         w = self.decode_width[layer.kind]
         bt = self.slots.bt[layer.kind][layer.layer_idx]  # [S+1, P*R, out]: a slot's B^T rows are contiguous
-        if self.dense is not None and w:
+        if self.single is not None and w:
+            out[:nd] += (x[:nd] @ a[self.single, :w].T) @ bt[self.single, :w]
+        elif self.dense is not None and w:
             self._decode_dense(a, bt, w, x[:nd], out[:nd])
         elif self.decode_slots is not None and w:
             h = torch.bmm(a[:, :w][self.decode_slots], x[:nd].unsqueeze(-1))  # [Bd, w, 1]

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from loraplane_server.forward_batch import ForwardBatch
+from loraplane_server.layers import cpu_kernels
 from loraplane_server.layers.attention import paged_attention
 from loraplane_server.layers.linear import ProjectionLinear, base_linear
 from loraplane_server.layers.norm import RMSNorm
@@ -86,7 +87,10 @@ class Attention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, k, *cos_sin)
+        if batch.layer_kernels and q.dtype == torch.bfloat16:
+            cpu_kernels.rotary_(q, k, *cos_sin)  # in place
+        else:
+            q, k = apply_rotary(q, k, *cos_sin)
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], batch, self.scale)  # [T, H, D]
         return self.o(out.reshape(t, q_size), batch)
 
@@ -102,7 +106,10 @@ class MLP(nn.Module):
         self.intermediate_size = inter
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        gate, up = self.gate_up(x, batch).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up(x, batch)
+        if batch.layer_kernels and gate_up.dtype == torch.bfloat16:
+            return self.down(cpu_kernels.silu_mul(gate_up), batch)
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down(F.silu(gate) * up, batch)
 
 
@@ -115,10 +122,23 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(args, layer_idx)
 
     def forward(
-        self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], kv_cache: torch.Tensor, batch: ForwardBatch
+        self,
+        x: torch.Tensor,
+        h: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: torch.Tensor,
+        batch: ForwardBatch,
+        next_norm: RMSNorm | None,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, batch)
-        return x + self.mlp(self.post_attention_layernorm(x), batch)
+        """x: the residual stream, updated in place; h: input_layernorm(x). Returns next_norm(x) after
+        this layer (the next layer's h; each norm is fused with the residual add before it), or, for
+        the last layer (next_norm None), x itself."""
+        a = self.self_attn(h, cos_sin, kv_cache, batch)
+        h = self.post_attention_layernorm.add_forward(x, a, batch.layer_kernels)
+        m = self.mlp(h, batch)
+        if next_norm is None:
+            return x.add_(m)
+        return next_norm.add_forward(x, m, batch.layer_kernels)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -135,15 +155,20 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, kv_caches: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """input_ids [T] -> logits [S, V] for the rows in batch.logits_indices."""
-        x = self.embed_tokens(input_ids)  # [T, hidden]
-        cos_sin = self.rotary.cos_sin(batch.positions, x.dtype)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, cos_sin, kv_cache, batch)
+        x = self.embed_tokens(input_ids)  # [T, hidden]: the residual stream (a fresh tensor, updated in place)
+        kernels = batch.layer_kernels and x.dtype == torch.bfloat16
+        cos_sin = self.rotary.cos_sin(batch.positions, x.dtype)  # [T, 1, D]
+        if kernels:
+            cos_sin = cos_sin[0].squeeze(1), cos_sin[1].squeeze(1)  # [T, D] for the fused rotary
+        h = self.layers[0].input_layernorm.add_forward(x, None, kernels)
+        last = len(self.layers) - 1
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            h = layer(x, h, cos_sin, kv_cache, batch, None if i == last else self.layers[i + 1].input_layernorm)
         if batch.logits_indices is not None:
-            x = x[batch.logits_indices]
-        x = self.norm(x)
+            h = h[batch.logits_indices]
+        h = self.norm.add_forward(h.contiguous(), None, kernels)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return base_linear(x, weight, None, batch.small_linear)
+        return base_linear(h, weight, None, batch.layer_kernels)
 
     def projection(self, layer: int, name: str) -> ProjectionLinear:
         """The ProjectionLinear holding target module `name` of layer `layer`."""

@@ -1,0 +1,172 @@
+// The elementwise parts of a decoder layer, fused, for bf16 activations on the CPU.
+//
+// Written in torch ops, one layer runs ~30 small elementwise ops (RMSNorm alone is a cast, a
+// square, a mean, an rsqrt, two products and a cast back; rotary is slices, a negation, a concat,
+// four products and two sums). At decode batch sizes each op costs more in dispatch and thread
+// wake-ups than in arithmetic. These three ops do the same work in one pass each:
+//
+//   add_rms_norm_(out, residual, delta?, weight, eps): residual += delta (rounded to bf16, as the
+//       residual add in bf16 is), then out = weight * bf16(residual * rsqrt(mean(residual^2) + eps)),
+//       computed in fp32 with the two roundings transformers' bf16 RMSNorm makes.
+//   rotary_(q, k, cos, sin): q and k rotated in place (rotate-half convention) by the bf16 cos/sin
+//       tables transformers uses, fp32 math, one rounding per element (transformers rounds after
+//       each product and after the sum).
+//   silu_mul(out, gate_up): out = silu(gate) * up for gate_up = [gate | up], fp32, one rounding.
+//
+// Rows are spread over torch's intra-op pool only when there are enough of them to pay for it.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+inline float bf16_to_float(uint16_t bits) {
+  const uint32_t u = static_cast<uint32_t>(bits) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+// Round to nearest even, as c10::BFloat16(float) does; NaN stays NaN.
+inline uint16_t float_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+inline uint16_t* bits(at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<c10::BFloat16>()); }
+inline const uint16_t* bits(const at::Tensor& t) {
+  return reinterpret_cast<const uint16_t*>(t.data_ptr<c10::BFloat16>());
+}
+
+// Rows per task: enough elements that a thread wake-up is worth it (~16K elements).
+inline int64_t grain(int64_t row_elems) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, row_elems)); }
+
+void check_bf16_rows(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kBFloat16, name, " must be a bf16 CPU tensor");
+  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be [rows, n] with contiguous rows");
+}
+
+void add_rms_norm_(at::Tensor& out, at::Tensor& residual, const c10::optional<at::Tensor>& delta,
+                   const at::Tensor& weight, double eps) {
+  check_bf16_rows(out, "out");
+  check_bf16_rows(residual, "residual");
+  const int64_t rows = residual.size(0), n = residual.size(1);
+  TORCH_CHECK(out.size(0) == rows && out.size(1) == n, "out must have residual's shape");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == n && weight.is_contiguous() &&
+                  weight.scalar_type() == at::kBFloat16,
+              "weight must be a contiguous bf16 [n]");
+  if (delta.has_value()) {
+    check_bf16_rows(*delta, "delta");
+    TORCH_CHECK(delta->size(0) == rows && delta->size(1) == n, "delta must have residual's shape");
+  }
+  uint16_t* o = bits(out);
+  uint16_t* r = bits(residual);
+  const uint16_t* d = delta.has_value() ? bits(*delta) : nullptr;
+  const uint16_t* w = bits(weight);
+  const int64_t so = out.stride(0), sr = residual.stride(0), sd = delta.has_value() ? delta->stride(0) : 0;
+  const float feps = static_cast<float>(eps);
+  at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      uint16_t* ri = r + i * sr;
+      if (d != nullptr) {
+        const uint16_t* di = d + i * sd;
+#pragma omp simd
+        for (int64_t j = 0; j < n; ++j) ri[j] = float_to_bf16(bf16_to_float(ri[j]) + bf16_to_float(di[j]));
+      }
+      float sq = 0.f;
+#pragma omp simd reduction(+ : sq)
+      for (int64_t j = 0; j < n; ++j) {
+        const float x = bf16_to_float(ri[j]);
+        sq += x * x;
+      }
+      const float inv = 1.f / std::sqrt(sq / static_cast<float>(n) + feps);
+      uint16_t* oi = o + i * so;
+#pragma omp simd
+      for (int64_t j = 0; j < n; ++j) {
+        const float normed = bf16_to_float(float_to_bf16(bf16_to_float(ri[j]) * inv));
+        oi[j] = float_to_bf16(bf16_to_float(w[j]) * normed);
+      }
+    }
+  });
+}
+
+// q: [T, H, D], k: [T, KVH, D] (rows may be strided; heads and dims contiguous), cos/sin: [T, D] bf16.
+void rotary_(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin) {
+  for (const at::Tensor* t : {&q, &k}) {
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kBFloat16, "q and k must be bf16 CPU tensors");
+    TORCH_CHECK(t->dim() == 3 && t->stride(2) == 1 && t->stride(1) == t->size(2), "q and k must be [T, H, D]");
+  }
+  const int64_t T = q.size(0), D = q.size(2), hq = q.size(1), hk = k.size(1);
+  TORCH_CHECK(k.size(0) == T && k.size(2) == D && D % 2 == 0, "q and k must share T and an even head_dim");
+  for (const at::Tensor* t : {&cos, &sin}) {
+    TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->dim() == 2 && t->size(0) == T && t->size(1) == D &&
+                    t->is_contiguous(),
+                "cos and sin must be contiguous bf16 [T, D]");
+  }
+  uint16_t* qp = bits(q);
+  uint16_t* kp = bits(k);
+  const uint16_t* cp = bits(cos);
+  const uint16_t* sp = bits(sin);
+  const int64_t sq = q.stride(0), sk = k.stride(0), half = D / 2;
+  auto rotate = [half](uint16_t* x, const uint16_t* c, const uint16_t* s) {
+#pragma omp simd
+    for (int64_t j = 0; j < half; ++j) {
+      const float a = bf16_to_float(x[j]), b = bf16_to_float(x[j + half]);
+      x[j] = float_to_bf16(a * bf16_to_float(c[j]) - b * bf16_to_float(s[j]));
+      x[j + half] = float_to_bf16(b * bf16_to_float(c[j + half]) + a * bf16_to_float(s[j + half]));
+    }
+  };
+  at::parallel_for(0, T, grain((hq + hk) * D), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const uint16_t *c = cp + t * D, *s = sp + t * D;
+      for (int64_t h = 0; h < hq; ++h) rotate(qp + t * sq + h * D, c, s);
+      for (int64_t h = 0; h < hk; ++h) rotate(kp + t * sk + h * D, c, s);
+    }
+  });
+}
+
+// gate_up: [T, 2I] (gate | up), out: [T, I].
+void silu_mul_(at::Tensor& out, const at::Tensor& gate_up) {
+  check_bf16_rows(out, "out");
+  check_bf16_rows(gate_up, "gate_up");
+  const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2;
+  TORCH_CHECK(gate_up.size(1) == 2 * I && out.size(0) == T && out.size(1) == I, "out must be [T, I], gate_up [T, 2I]");
+  uint16_t* o = bits(out);
+  const uint16_t* g = bits(gate_up);
+  const int64_t so = out.stride(0), sg = gate_up.stride(0);
+  at::parallel_for(0, T, grain(I), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const uint16_t* gt = g + t * sg;
+      uint16_t* ot = o + t * so;
+#pragma omp simd
+      for (int64_t j = 0; j < I; ++j) {
+        const float x = bf16_to_float(gt[j]);
+        ot[j] = float_to_bf16(x / (1.f + std::exp(-x)) * bf16_to_float(gt[j + I]));
+      }
+    }
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(loraplane, m) {
+  m.def("add_rms_norm_(Tensor(a!) out, Tensor(b!) residual, Tensor? delta, Tensor weight, float eps) -> ()");
+  m.def("rotary_(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
+  m.def("silu_mul_(Tensor(a!) out, Tensor gate_up) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(loraplane, CPU, m) {
+  m.impl("add_rms_norm_", add_rms_norm_);
+  m.impl("rotary_", rotary_);
+  m.impl("silu_mul_", silu_mul_);
+}
