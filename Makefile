@@ -39,6 +39,9 @@ e2e: model
 
 bench: model
 	$(BIN)/python bench/engine.py
+	$(BIN)/python bench/multi_lora.py
+	$(BIN)/python bench/http_api.py
+	$(BIN)/python bench/linear.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
