@@ -3,7 +3,8 @@
 Decodes (one query each) run as one batched call: through a kernel that reads the blocks in place
 (the compiled CPU kernel in layers/cpu_kernels.py, or Triton on CUDA in layers/triton_attention.py),
 or, on the torch path, SDPA over a padded gather of their blocks. Each prefill chunk runs on its
-own (few per step), attending to its cached context plus itself.
+own (few per step), attending to its cached context plus itself: with the CPU kernels, bf16, a
+flash-attention kernel that reads the blocks in place; otherwise SDPA.
 """
 
 from __future__ import annotations
@@ -43,9 +44,14 @@ def paged_attention(
         out[:nd] = kernel.paged_decode_attention(q[:nd], k_cache, v_cache, tables, lens, scale)
     elif nd:
         out[:nd] = _decode(q[:nd], k_cache, v_cache, batch, scale)
+    prefill_kernel = batch.decode_attention == "cpu_kernel" and cpu_kernels.prefill_kernel_applies(q)
     for chunk in batch.prefills:
         rows = slice(chunk.query_start, chunk.query_start + chunk.num_query_tokens)
-        out[rows] = _prefill(q[rows], k[rows], v[rows], k_cache, v_cache, chunk, scale)
+        if prefill_kernel:
+            ctx = chunk.num_context_tokens
+            cpu_kernels.paged_prefill_attention(out[rows], q[rows], k_cache, v_cache, chunk.block_table, ctx, scale)
+        else:
+            out[rows] = _prefill(q[rows], k[rows], v[rows], k_cache, v_cache, chunk, scale)
     return out
 
 

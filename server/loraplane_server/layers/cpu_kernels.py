@@ -1,5 +1,5 @@
-"""Builds and loads the CPU kernels (csrc/*.cpp), once per machine: decode attention over the
-paged KV cache, a linear layer for decode steps of a few rows, and the fused elementwise parts of
+"""Builds and loads the CPU kernels (csrc/*.cpp), once per machine: decode and prefill attention
+over the paged KV cache, a linear layer for decode steps of a few rows, and the fused elementwise parts of
 a decoder layer (RMSNorm with the residual add, rotary, SiLU-and-multiply; bf16).
 
 The sources are compiled with torch's extension builder into the user cache
@@ -25,7 +25,8 @@ from loraplane_server.builtin import cache_root
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
-SOURCES = (CSRC / "paged_attention_cpu.cpp", CSRC / "linear_cpu.cpp", CSRC / "layer_ops_cpu.cpp")
+SOURCE_NAMES = ("paged_attention_cpu.cpp", "prefill_attention_cpu.cpp", "linear_cpu.cpp", "layer_ops_cpu.cpp")
+SOURCES = tuple(CSRC / name for name in SOURCE_NAMES)
 # up to this many rows of x, small_m_linear beats torch's bf16 GEMM on the CPU (bench/linear.py)
 SMALL_M_MAX_ROWS = 16
 # -fopenmp: at::parallel_for is an OpenMP pragma in torch's headers; without it the kernel runs on
@@ -77,7 +78,8 @@ def load() -> bool:
                 is_python_module=False,
                 verbose=False,
             )
-            ops = ("paged_decode_attention_", "small_m_linear_", "add_rms_norm_", "rotary_", "silu_mul_")
+            ops = ("paged_decode_attention_", "paged_prefill_attention_", "small_m_linear_", "add_rms_norm_", "rotary_")
+            ops += ("silu_mul_",)
             _state.update(ok=all(hasattr(torch.ops.loraplane, op) for op in ops), error=None)
         except Exception as error:  # no compiler, no ninja, a build error: keep the torch path
             log.warning("CPU kernels unavailable, using the torch paths: %s", error)
@@ -127,3 +129,22 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2, dtype=gate_up.dtype, device=gate_up.device)
     torch.ops.loraplane.silu_mul_(out, gate_up)
     return out
+
+
+def prefill_kernel_applies(q: torch.Tensor) -> bool:
+    """Whether paged_prefill_attention covers q: bf16, head_dim 64 or 128, a CPU with AVX512-BF16."""
+    return q.dtype == torch.bfloat16 and q.shape[-1] in (64, 128) and "avx512_bf16" in _cpu_flags()
+
+
+def paged_prefill_attention(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    ctx: int,
+    scale: float,
+) -> None:
+    """Causal attention of one prefill chunk into out [n, H, D]: q [n, H, D] at positions ctx..ctx+n-1,
+    keys and values (the chunk's own already written) from the caches [N, B, KVH, D] via block_table."""
+    torch.ops.loraplane.paged_prefill_attention_(out, q, k_cache, v_cache, block_table, ctx, scale)

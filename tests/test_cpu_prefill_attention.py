@@ -1,0 +1,96 @@
+"""The CPU prefill-attention kernel (csrc/prefill_attention_cpu.cpp) against causal attention in fp32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loraplane_server.layers import cpu_kernels
+
+pytestmark = pytest.mark.skipif(
+    not cpu_kernels.load() or "avx512_bf16" not in cpu_kernels._cpu_flags(),
+    reason=f"needs the CPU kernels on an AVX512-BF16 CPU ({cpu_kernels.load_error()})",
+)
+
+
+def make_chunk(
+    n: int, ctx: int, heads: int, kv_heads: int, head_dim: int, block_size: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A sequence of ctx + n tokens in scattered cache blocks; q for its last n positions."""
+    g = torch.Generator().manual_seed(seed)
+    total = ctx + n
+    num_blocks = -(-total // block_size)
+    pool = num_blocks + 7
+    k_cache = torch.randn(pool, block_size, kv_heads, head_dim, generator=g).to(torch.bfloat16)
+    v_cache = torch.randn(pool, block_size, kv_heads, head_dim, generator=g).to(torch.bfloat16)
+    table = torch.randperm(pool, generator=g)[:num_blocks].contiguous()
+    q = (torch.randn(n, heads, head_dim, generator=g) * 2).to(torch.bfloat16)
+    return q, k_cache, v_cache, table
+
+
+def reference(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor, ctx: int, scale: float
+) -> torch.Tensor:
+    """Query i (position ctx + i) attends to keys 0..ctx + i, in fp32."""
+    n, heads, _ = q.shape
+    keys = k_cache[table].flatten(0, 1)[: ctx + n].float()  # [L, KVH, D]
+    values = v_cache[table].flatten(0, 1)[: ctx + n].float()
+    group = heads // keys.shape[1]
+    keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
+    scores = torch.einsum("nhd,lhd->hnl", q.float(), keys) * scale
+    visible = torch.arange(ctx + n)[None, :] <= (ctx + torch.arange(n))[:, None]  # [n, L]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    return torch.einsum("hnl,lhd->nhd", scores.softmax(-1), values)
+
+
+@pytest.mark.parametrize(
+    ("n", "ctx", "heads", "kv_heads", "head_dim", "block_size"),
+    [
+        (1, 0, 9, 3, 64, 16),  # a one-token prompt
+        (37, 0, 9, 3, 64, 16),  # a fresh prompt, partial tiles
+        (100, 0, 4, 4, 128, 16),  # head_dim 128, no GQA
+        (64, 45, 9, 3, 64, 16),  # a later chunk: cached context, unaligned
+        (33, 200, 8, 1, 64, 4),  # long context, 8 heads per kv head, small blocks
+        (19, 5, 6, 2, 64, 1),  # block size 1 (keys of one tile span blocks)
+        (70, 30, 6, 3, 128, 8),
+    ],
+)
+def test_matches_fp32_causal_attention(
+    n: int, ctx: int, heads: int, kv_heads: int, head_dim: int, block_size: int
+) -> None:
+    q, k_cache, v_cache, table = make_chunk(n, ctx, heads, kv_heads, head_dim, block_size, seed=n + ctx)
+    scale = head_dim**-0.5
+    out = torch.full_like(q, float("nan"))
+    cpu_kernels.paged_prefill_attention(out, q, k_cache, v_cache, table, ctx, scale)
+    expected = reference(q, k_cache, v_cache, table, ctx, scale)
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+def test_writes_strided_rows_in_place_and_is_thread_invariant() -> None:
+    q, k_cache, v_cache, table = make_chunk(50, 20, 9, 3, 64, 16, seed=1)
+    wide = torch.zeros(50, 12, 64, dtype=torch.bfloat16)  # q as a view into a wider projection output
+    wide[:, :9] = q
+    q_view = wide[:, :9]
+    threads = torch.get_num_threads()
+    outs = []
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            out = torch.empty(50, 9, 64, dtype=torch.bfloat16)
+            cpu_kernels.paged_prefill_attention(out, q_view, k_cache, v_cache, table, 20, 0.125)
+            outs.append(out)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1])
+    torch.testing.assert_close(outs[0].float(), reference(q, k_cache, v_cache, table, 20, 0.125), atol=2e-2, rtol=2e-2)
+
+
+def test_bad_inputs_are_refused() -> None:
+    q, k_cache, v_cache, table = make_chunk(8, 0, 4, 2, 64, 16, seed=2)
+    out = torch.empty_like(q)
+    with pytest.raises(RuntimeError, match="bf16"):
+        cpu_kernels.paged_prefill_attention(out.float(), q.float(), k_cache.float(), v_cache.float(), table, 0, 0.1)
+    with pytest.raises(RuntimeError, match="cover"):
+        cpu_kernels.paged_prefill_attention(out, q, k_cache, v_cache, table, 100, 0.1)
+    with pytest.raises(RuntimeError, match="head_dim"):
+        cpu_kernels.paged_prefill_attention(out[..., :32], q[..., :32], k_cache, v_cache, table, 0, 0.1)
