@@ -1,6 +1,7 @@
 """Builds and loads the CPU kernels (csrc/*.cpp), once per machine: decode and prefill attention
 over the paged KV cache, a linear layer for decode steps of a few rows, and the fused elementwise parts of
-a decoder layer (RMSNorm with the residual add, rotary, SiLU-and-multiply; bf16).
+a decoder layer (RMSNorm with the residual add, rotary, SiLU-and-multiply) and LoRA for decode rows
+of many adapters (BGMV); bf16.
 
 The sources are compiled with torch's extension builder into the user cache
 (`cache_root()/kernels`), keyed by the sources, torch's version and the CPU's flags (it is built
@@ -25,7 +26,13 @@ from loraplane_server.builtin import cache_root
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
-SOURCE_NAMES = ("paged_attention_cpu.cpp", "prefill_attention_cpu.cpp", "linear_cpu.cpp", "layer_ops_cpu.cpp")
+SOURCE_NAMES = (
+    "paged_attention_cpu.cpp",
+    "prefill_attention_cpu.cpp",
+    "linear_cpu.cpp",
+    "layer_ops_cpu.cpp",
+    "lora_cpu.cpp",
+)
 SOURCES = tuple(CSRC / name for name in SOURCE_NAMES)
 # up to this many rows of x, small_m_linear beats torch's bf16 GEMM on the CPU (bench/linear.py)
 SMALL_M_MAX_ROWS = 16
@@ -79,7 +86,7 @@ def load() -> bool:
                 verbose=False,
             )
             ops = ("paged_decode_attention_", "paged_prefill_attention_", "small_m_linear_", "add_rms_norm_", "rotary_")
-            ops += ("silu_mul_",)
+            ops += ("silu_mul_", "bgmv_")
             _state.update(ok=all(hasattr(torch.ops.loraplane, op) for op in ops), error=None)
         except Exception as error:  # no compiler, no ninja, a build error: keep the torch path
             log.warning("CPU kernels unavailable, using the torch paths: %s", error)
@@ -148,3 +155,17 @@ def paged_prefill_attention(
     """Causal attention of one prefill chunk into out [n, H, D]: q [n, H, D] at positions ctx..ctx+n-1,
     keys and values (the chunk's own already written) from the caches [N, B, KVH, D] via block_table."""
     torch.ops.loraplane.paged_prefill_attention_(out, q, k_cache, v_cache, block_table, ctx, scale)
+
+
+def bgmv_(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    a: torch.Tensor,
+    bt: torch.Tensor,
+    slots: torch.Tensor,
+    width: int,
+    skip_slot: int,
+) -> None:
+    """out[b] += (x[b] a[s]^T) bt[s] with s = slots[b], rank columns [:width]; rows on skip_slot untouched.
+    out [B, N], x [B, K], a [S, W, K], bt [S, W, N], slots [B] int64; bf16."""
+    torch.ops.loraplane.bgmv_(out, x, a, bt, slots, width, skip_slot)

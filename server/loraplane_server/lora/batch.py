@@ -3,7 +3,8 @@
 Torch path (CPU), decode tokens: with few distinct adapters among them, the used slots' A and B
 are gathered once and every token multiplies against all of them, its own slot's columns kept by
 a one-hot mask (dense: plain matmuls, small weight traffic); with many, each token gathers its
-own slot's A and B for two batched matmuls (BGMV: weight traffic per token, FLOPs per token).
+own slot's A and B for two batched matmuls (BGMV: weight traffic per token, FLOPs per token); in
+bf16 with the CPU kernels, csrc/lora_cpu.cpp reads each row's slot in place instead of gathering.
 Prefill tokens come in contiguous chunks of one sequence, merged into runs of one slot and
 multiplied per run (segments by adapter). No Python loop over requests.
 Triton path (CUDA, or TRITON_INTERPRET=1): the same segments in one SGMV launch per matmul.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from loraplane_server.layers import cpu_kernels
 from loraplane_server.layers.linear import ProjectionLinear
 from loraplane_server.lora.slots import LoRASlots
 
@@ -27,6 +29,7 @@ class LoRABatch:
         segments: list[tuple[int, int, int]],
         device: torch.device,
         use_triton: bool = False,
+        cpu_kernel: bool = False,
     ) -> None:
         """decode_slots: slot per decode row (none_slot for base); segments: (start, end, slot) of prefill rows."""
         self.slots = slots
@@ -55,6 +58,7 @@ class LoRABatch:
             self.dense = (torch.tensor(decode_used, device=device), onehot)
         self.segments = segments
         self.use_triton = use_triton
+        self.cpu_kernel = cpu_kernel  # bf16 on the CPU: BGMV decode rows through csrc/lora_cpu.cpp
         if use_triton:
             self._build_triton_segments(decode_slots, device)
 
@@ -77,6 +81,8 @@ class LoRABatch:
             out[:nd] += (x[:nd] @ a[self.single, :w].T) @ bt[self.single, :w]
         elif self.dense is not None and w:
             self._decode_dense(a, bt, w, x[:nd], out[:nd])
+        elif self.decode_slots is not None and w and self.cpu_kernel and x.dtype == torch.bfloat16:
+            cpu_kernels.bgmv_(out[:nd], x[:nd], a, bt, self.decode_slots, w, self.slots.none_slot)
         elif self.decode_slots is not None and w:
             h = torch.bmm(a[:, :w][self.decode_slots], x[:nd].unsqueeze(-1))  # [Bd, w, 1]
             out[:nd] += torch.bmm(h.transpose(1, 2), bt[:, :w][self.decode_slots]).squeeze(1)  # [Bd, out]
