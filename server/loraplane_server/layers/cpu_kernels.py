@@ -12,6 +12,7 @@ keeps its torch paths.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -44,6 +45,7 @@ _lock = threading.Lock()
 _state: dict[str, object] = {}
 
 
+@functools.cache  # read once: prefill_kernel_applies asks on every layer of every prefill step
 def _cpu_flags() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
