@@ -20,6 +20,8 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include "cpu_common.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -46,26 +48,6 @@ inline uint16_t float_to_bf16(float f) {
 inline uint16_t* bits(at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<c10::BFloat16>()); }
 inline const uint16_t* bits(const at::Tensor& t) {
   return reinterpret_cast<const uint16_t*>(t.data_ptr<c10::BFloat16>());
-}
-
-// exp(x) that vectorizes (std::exp in a simd loop becomes one libm call per element): x clamped
-// to [-87, 88] (the float range), x = n*ln2 + r with |r| <= ln2/2, e^r by a degree-6 Taylor
-// polynomial (relative error < 2e-7 there), 2^n built in the exponent bits.
-inline float exp_clamped(float x) {
-  x = std::min(std::max(x, -87.f), 88.f);
-  const float n = std::nearbyint(x * 1.44269504088896341f);
-  const float r = x - n * 0.693145751953125f - n * 1.42860682030941723212e-6f;  // ln2 split hi + lo
-  float p = 1.f / 720.f;
-  p = p * r + 1.f / 120.f;
-  p = p * r + 1.f / 24.f;
-  p = p * r + 1.f / 6.f;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  const int32_t e = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &e, sizeof(scale));
-  return p * scale;
 }
 
 // Rows per task: enough elements that a thread wake-up is worth it (~16K elements).
@@ -171,7 +153,7 @@ void silu_mul_(at::Tensor& out, const at::Tensor& gate_up) {
 #pragma omp simd
       for (int64_t j = 0; j < I; ++j) {
         const float x = bf16_to_float(gt[j]);
-        ot[j] = float_to_bf16(x / (1.f + exp_clamped(-x)) * bf16_to_float(gt[j + I]));
+        ot[j] = float_to_bf16(x / (1.f + loraplane_cpu::exp_clamped(-x)) * bf16_to_float(gt[j + I]));
       }
     }
   });

@@ -22,10 +22,7 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
-#include <immintrin.h>
-#define LORAPLANE_AVX512_BF16 1
-#endif
+#include "cpu_common.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -34,12 +31,7 @@ namespace {
 
 #ifdef LORAPLANE_AVX512_BF16
 using BF = c10::BFloat16;
-
-// 32 bf16 from p; past n (< 32) the lanes are zero, so a partial last chunk adds nothing.
-__attribute__((always_inline)) inline __m512i load32(const BF* p, int64_t n) {
-  if (n >= 32) return _mm512_loadu_si512(p);
-  return _mm512_maskz_loadu_epi16(static_cast<__mmask32>((1ull << n) - 1), p);
-}
+using loraplane_cpu::load32_bf16;
 
 // One 32-wide slice of K: R rows of W against MT rows of x.
 template <int R, int MT>
@@ -47,10 +39,10 @@ __attribute__((always_inline)) inline void dot_step(__m512 (&acc)[R][MT], const 
                                                     int64_t K, int64_t k, int64_t n) {
   __m512i wr[R];
 #pragma GCC unroll 4
-  for (int r = 0; r < R; ++r) wr[r] = load32(w + r * K + k, n);
+  for (int r = 0; r < R; ++r) wr[r] = load32_bf16(w + r * K + k, n);
 #pragma GCC unroll 4
   for (int m = 0; m < MT; ++m) {
-    const __m512i xm = load32(x + m * sx + k, n);
+    const __m512i xm = load32_bf16(x + m * sx + k, n);
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) acc[r][m] = _mm512_dpbf16_ps(acc[r][m], (__m512bh)wr[r], (__m512bh)xm);
   }

@@ -15,10 +15,7 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
-#include <immintrin.h>
-#define LORAPLANE_AVX512_BF16 1
-#endif
+#include "cpu_common.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -29,17 +26,8 @@ namespace {
 
 #ifdef LORAPLANE_AVX512_BF16
 using BF = c10::BFloat16;
-
-inline __m512i load32(const BF* p, int64_t n) {  // n <= 32 bf16, zero-filled past n
-  if (n >= 32) return _mm512_loadu_si512(p);
-  return _mm512_maskz_loadu_epi16(static_cast<__mmask32>((1ull << n) - 1), p);
-}
-
-inline __m512 load16_f32(const BF* p, int64_t n) {  // n <= 16 bf16 -> fp32, zero-filled past n
-  const __m256i bits = n >= 16 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
-                               : _mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << n) - 1), p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
+using loraplane_cpu::load16_bf16_as_f32;
+using loraplane_cpu::load32_bf16;
 
 // x: [K], a: [W, K] rows of one slot -> h[j] = a_j . x for j < w
 inline void shrink(const BF* x, const BF* a, int64_t K, int64_t w, float* h) {
@@ -51,7 +39,8 @@ inline void shrink(const BF* x, const BF* a, int64_t K, int64_t w, float* h) {
       s0 = _mm512_dpbf16_ps(s0, (__m512bh)_mm512_loadu_si512(aj + k), (__m512bh)_mm512_loadu_si512(x + k));
       s1 = _mm512_dpbf16_ps(s1, (__m512bh)_mm512_loadu_si512(aj + k + 32), (__m512bh)_mm512_loadu_si512(x + k + 32));
     }
-    for (; k < K; k += 32) s0 = _mm512_dpbf16_ps(s0, (__m512bh)load32(aj + k, K - k), (__m512bh)load32(x + k, K - k));
+    for (; k < K; k += 32)
+      s0 = _mm512_dpbf16_ps(s0, (__m512bh)load32_bf16(aj + k, K - k), (__m512bh)load32_bf16(x + k, K - k));
     h[j] = _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));
   }
 }
@@ -68,12 +57,12 @@ inline void expand(BF* out, const float* h, const BF* bt, int64_t N, int64_t w) 
       const __m512 hj = _mm512_set1_ps(h[j]);
       const BF* row = bt + j * N + n0;
       for (int64_t v = 0; v < nv; ++v)
-        acc[v] = _mm512_fmadd_ps(hj, load16_f32(row + 16 * v, width - 16 * v), acc[v]);
+        acc[v] = _mm512_fmadd_ps(hj, load16_bf16_as_f32(row + 16 * v, width - 16 * v), acc[v]);
     }
     for (int64_t v = 0; v < nv; ++v) {
       const int64_t m = std::min<int64_t>(16, width - 16 * v);
       alignas(64) float tmp[16];
-      _mm512_store_ps(tmp, _mm512_add_ps(acc[v], load16_f32(out + n0 + 16 * v, m)));
+      _mm512_store_ps(tmp, _mm512_add_ps(acc[v], load16_bf16_as_f32(out + n0 + 16 * v, m)));
       for (int64_t i = 0; i < m; ++i) out[n0 + 16 * v + i] = BF(tmp[i]);
     }
   }

@@ -23,10 +23,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
-#include <immintrin.h>
-#define LORAPLANE_AVX512_BF16 1
-#endif
+#include "cpu_common.h"
 
 #include <algorithm>
 #include <cmath>
@@ -53,26 +50,6 @@ inline void to_float<c10::BFloat16>(const c10::BFloat16* src, float* dst, int64_
   for (int64_t i = 0; i < n; ++i) out[i] = static_cast<uint32_t>(bits[i]) << 16;
 }
 
-// exp(x) for x <= 0 (softmax after subtracting the max), vectorizable: x = n*ln2 + r with
-// |r| <= ln2/2, e^r by a degree-6 Taylor polynomial (relative error < 2e-7 on that range), 2^n by
-// building the float's exponent bits. Below -87 the result flushes to 0, as expf underflows.
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.f);
-  const float n = std::nearbyint(x * 1.44269504088896341f);
-  const float r = x - n * 0.693145751953125f - n * 1.42860682030941723212e-6f;  // ln2 split hi + lo
-  float p = 1.f / 720.f;
-  p = p * r + 1.f / 120.f;
-  p = p * r + 1.f / 24.f;
-  p = p * r + 1.f / 6.f;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
-
 // One online-softmax step for one query head over one block: turns the scores sg[0..n) into
 // exp(score - new max), folds them into the running max m and denominator l, and returns the
 // factor exp(old max - new max) by which that head's output accumulator must be rescaled.
@@ -84,7 +61,7 @@ inline float online_softmax_block(float* sg, int64_t n, float& m, float& l) {
   float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
   for (int64_t t = 0; t < n; ++t) {
-    sg[t] = exp_nonpositive(sg[t] - mx);
+    sg[t] = loraplane_cpu::exp_clamped(sg[t] - mx);  // vectorizes; x <= 0 here
     sum += sg[t];
   }
   l = l * correction + sum;
@@ -194,8 +171,7 @@ inline void accumulate_values(const T* v, int64_t n, int64_t row_stride, const f
     for (int64_t t = 0; t < n; ++t) {
       __m512 vr[C];
       for (int64_t c = 0; c < C; ++c) {
-        const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + t * row_stride + c * 16));
-        vr[c] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+        vr[c] = loraplane_cpu::load16_bf16_as_f32(v + t * row_stride + c * 16, 16);
       }
       for (int64_t g = 0; g < group; ++g) {
         const __m512 pg = _mm512_set1_ps(p[g * stride + t]);

@@ -26,10 +26,7 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
-#include <immintrin.h>
-#define LORAPLANE_AVX512_BF16 1
-#endif
+#include "cpu_common.h"
 
 #include <algorithm>
 #include <cmath>

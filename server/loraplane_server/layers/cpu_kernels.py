@@ -35,6 +35,7 @@ SOURCE_NAMES = (
     "lora_cpu.cpp",
 )
 SOURCES = tuple(CSRC / name for name in SOURCE_NAMES)
+HEADERS = (CSRC / "cpu_common.h",)  # included by the sources: part of the build key
 # up to this many rows of x, small_m_linear beats torch's bf16 GEMM on the CPU (bench/linear.py)
 SMALL_M_MAX_ROWS = 16
 # -fopenmp: at::parallel_for is an OpenMP pragma in torch's headers; without it the kernel runs on
@@ -59,7 +60,7 @@ def _cpu_flags() -> str:
 def build_dir() -> Path:
     root = cache_root() / "kernels"
     flags = " ".join(CFLAGS + LDFLAGS)
-    sources = [source.read_bytes() for source in SOURCES]
+    sources = [source.read_bytes() for source in SOURCES + HEADERS]
     parts = [*sources, torch.__version__.encode(), _cpu_flags().encode(), flags.encode()]
     key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
     return root / f"loraplane_cpu-{key}"

@@ -1,0 +1,58 @@
+// Pieces shared by the CPU kernels in this directory.
+//
+// LORAPLANE_AVX512_BF16 is defined when the build targets a CPU with AVX512-BF16 (the kernels are
+// compiled with -march=native on the machine that runs them); the bf16 fast paths live behind it.
+
+#pragma once
+
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+#define LORAPLANE_AVX512_BF16 1
+#endif
+
+namespace loraplane_cpu {
+
+// exp(x) that vectorizes (std::exp in a simd loop becomes one libm call per element): x clamped
+// to [-87, 88] (the float range), x = n*ln2 + r with |r| <= ln2/2, e^r by a degree-6 Taylor
+// polynomial (relative error < 2e-7 there), 2^n built in the exponent bits. Below -87 the
+// result is ~1e-38 rather than a denormal or 0, as expf would give.
+inline float exp_clamped(float x) {
+  x = std::min(std::max(x, -87.f), 88.f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float r = x - n * 0.693145751953125f - n * 1.42860682030941723212e-6f;  // ln2 split hi + lo
+  float p = 1.f / 720.f;
+  p = p * r + 1.f / 120.f;
+  p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const int32_t e = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &e, sizeof(scale));
+  return p * scale;
+}
+
+#ifdef LORAPLANE_AVX512_BF16
+// 32 bf16 from p; past n (< 32) the lanes are zero, so a partial last chunk adds nothing to a dot.
+__attribute__((always_inline)) inline __m512i load32_bf16(const c10::BFloat16* p, int64_t n) {
+  if (n >= 32) return _mm512_loadu_si512(p);
+  return _mm512_maskz_loadu_epi16(static_cast<__mmask32>((1ull << n) - 1), p);
+}
+
+// 16 bf16 from p widened to fp32 (a 16-bit shift); past n (< 16) the lanes are zero.
+__attribute__((always_inline)) inline __m512 load16_bf16_as_f32(const c10::BFloat16* p, int64_t n) {
+  const __m256i bits = n >= 16 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
+                               : _mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << n) - 1), p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+#endif
+
+}  // namespace loraplane_cpu
