@@ -21,7 +21,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         "--attention-backend",
         default="auto",
         choices=["auto", "torch", "cpu_kernel", "triton"],
-        help="decode attention: auto uses Triton on CUDA and the compiled CPU kernel on the CPU when it builds",
+        help="attention: auto uses Triton (decode) on CUDA, the compiled CPU kernels (decode, bf16 prefill) on the CPU",
     )
     p.add_argument(
         "--layer-backend",

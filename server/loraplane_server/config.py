@@ -27,7 +27,8 @@ class EngineConfig:
     disk_cache_dir: str | None = None  # None: <user cache>/loraplane/adapters
     num_threads: int | None = None  # torch intra-op threads; None: torch's default
     lora_backend: str = "auto"  # auto (triton on CUDA, torch elsewhere) | torch | triton
-    # decode attention: auto (triton on CUDA, cpu_kernel on the CPU when it builds, else torch) | torch | cpu_kernel
+    # attention: auto (triton on CUDA for decode, cpu_kernel on the CPU when it builds: decode, and prefill in bf16;
+    # else torch) | torch | cpu_kernel
     # | triton
     attention_backend: str = "auto"
     # dense layers (few-row linear, fused norm/rotary/activation): auto (cpu_kernel on the CPU in bf16 when

@@ -41,7 +41,7 @@ class ModelRunner:
         self.lora_slots = lora_slots
         self.use_triton = use_triton
         self.decode_attention = decode_attention  # torch | cpu_kernel | triton (layers/attention.py)
-        self.layer_kernels = layer_kernels  # the bf16 CPU layer kernels (csrc/linear_cpu.cpp, csrc/layer_ops_cpu.cpp)
+        self.layer_kernels = layer_kernels  # the bf16 CPU kernels for linear, norm/rotary/activation and BGMV
         self.generators: dict[int, torch.Generator | None] = {}  # seq id -> its own RNG
 
     def prepare(self, scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, ForwardBatch, list[Sequence]]:

@@ -88,8 +88,15 @@ def load() -> bool:
                 is_python_module=False,
                 verbose=False,
             )
-            ops = ("paged_decode_attention_", "paged_prefill_attention_", "small_m_linear_", "add_rms_norm_", "rotary_")
-            ops += ("silu_mul_", "bgmv_")
+            ops = (
+                "paged_decode_attention_",
+                "paged_prefill_attention_",
+                "small_m_linear_",
+                "add_rms_norm_",
+                "rotary_",
+                "silu_mul_",
+                "bgmv_",
+            )
             _state.update(ok=all(hasattr(torch.ops.loraplane, op) for op in ops), error=None)
         except Exception as error:  # no compiler, no ninja, a build error: keep the torch path
             log.warning("CPU kernels unavailable, using the torch paths: %s", error)
