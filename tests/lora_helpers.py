@@ -50,3 +50,11 @@ def peft_greedy(
             out = model.generate(input_ids=torch.tensor([ids]), max_new_tokens=n, do_sample=False)
         outs.append(out[0, len(ids) :].tolist())
     return outs
+
+
+def teacher_forced(model: torch.nn.Module, prompt: list[int], tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Score `tokens` after `prompt` with a transformers/PEFT model in one forward pass: the log-probability
+    of each token [n] and the best log-probability at its position [n]."""
+    with torch.no_grad():
+        logp = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].float().log_softmax(-1)
+    return logp.gather(1, torch.tensor(tokens)[:, None])[:, 0], logp.max(-1).values

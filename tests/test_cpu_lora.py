@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lora_helpers import ADAPTER_SPECS, make_peft_adapter
+from lora_helpers import ADAPTER_SPECS, make_peft_adapter, teacher_forced
 from loraplane_server.config import EngineConfig
 from loraplane_server.engine import LLMEngine
 from loraplane_server.layers import cpu_kernels
@@ -89,10 +89,7 @@ def test_bf16_engine_with_many_adapters_follows_peft_fp32(
     base = AutoModelForCausalLM.from_pretrained(str(smollm2_dir), dtype=torch.float32).eval()
     for (name, prompt), rid in zip(work, rids, strict=True):
         model = base if name is None else PeftModel.from_pretrained(base, str(adapters[name])).eval()
-        ids = torch.tensor([prompt + done[rid]])
-        with torch.no_grad():
-            logp = model(ids).logits[0, len(prompt) - 1 : -1].float().log_softmax(-1)
-        chosen = logp.gather(1, torch.tensor(done[rid])[:, None])[:, 0]
-        assert bool((chosen >= logp.max(-1).values - 0.5).all()), (name, done[rid])
+        chosen, best = teacher_forced(model, prompt, done[rid])
+        assert bool((chosen >= best - 0.5).all()), (name, done[rid])
         if name is not None:
             base = model.unload()  # the bare base model again for the next adapter
