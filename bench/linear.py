@@ -1,10 +1,10 @@
-"""Small-batch linear layers: the compiled CPU kernel against torch's bf16 F.linear, same weights.
+"""Linear layers at decode batch sizes and beyond: the compiled CPU kernel against torch's bf16 F.linear.
 
 For each number of rows M (a decode step's batch), runs every projection of SmolLM2-135M's 30
 layers (q|k|v, o, gate|up, down; weights laid out one after another, so they stream from DRAM
 as in a real step) and the tied 49152-row lm_head, with both implementations, min of several
-repeats. The engine uses the kernel up to `cpu_kernels.SMALL_M_MAX_ROWS` rows; above that, torch's
-GEMM is faster.
+repeats. The kernel streams W row by row for up to 4 rows and runs a register-tiled GEMM above
+that; the engine uses it up to `cpu_kernels.LINEAR_MAX_ROWS` rows.
 
 Run: .venv/bin/python bench/linear.py [--threads 1 2] [--out bench/out/linear.json]
 """
@@ -45,9 +45,9 @@ def measure(rows: int, weights: dict[tuple[int, int], list[torch.Tensor]], head:
         return lambda: [linear(xs[shape], w) for shape in SHAPES for w in weights[shape]]
 
     torch_ms = best_ms(layers(F.linear), repeats)
-    kernel_ms = best_ms(layers(cpu_kernels.small_m_linear), repeats)
+    kernel_ms = best_ms(layers(cpu_kernels.linear), repeats)
     head_torch = best_ms(lambda: F.linear(xh, head), repeats)
-    head_kernel = best_ms(lambda: cpu_kernels.small_m_linear(xh, head), repeats)
+    head_kernel = best_ms(lambda: cpu_kernels.linear(xh, head), repeats)
     nbytes = sum(w.numel() * 2 for ws in weights.values() for w in ws) + head.numel() * 2
     total_torch, total_kernel = torch_ms + head_torch, kernel_ms + head_kernel
     return {
@@ -65,7 +65,7 @@ def measure(rows: int, weights: dict[tuple[int, int], list[torch.Tensor]], head:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 6, 8, 16, 32, 64, 128, 512])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--out", type=Path, default=Path("bench/out/linear.json"))
     args = parser.parse_args()
@@ -83,7 +83,7 @@ def main() -> None:
     torch.set_num_threads(threads0)
     out = {
         "machine": {"torch": torch.__version__, "cpu_count": torch.get_num_threads()},
-        "engine_uses_kernel_up_to_rows": cpu_kernels.SMALL_M_MAX_ROWS,
+        "engine_uses_kernel_up_to_rows": cpu_kernels.LINEAR_MAX_ROWS,
         "results": results,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -25,6 +25,8 @@ for each other whenever another job holds a core, and one request then takes 10-
 Prints one JSON object, writes it to --out and draws the plot next to it (.png). When a target is
 missed, torch.profiler tables of a few engine steps (workload b; one latency request) go into the JSON.
 PEFT's first static batch also runs with every row on the base model, to show its ceiling here.
+`compute_floor` bounds (b) from above: the prompts' linear-layer FLOPs at this machine's measured
+peak matmul rate, against PEFT's time; no engine can beat PEFT by more than that ratio here.
 """
 
 from __future__ import annotations
@@ -408,17 +410,48 @@ def measure_peft_throughput(engine: LLMEngine, w: Workload, paths: list[Path]) -
     return result
 
 
+def peak_gemm_gflops(dtype: torch.dtype) -> float:
+    """This machine's bf16 (engine dtype) matmul rate at the bench's thread count: the best of a few
+    prefill-sized products (2048 x 576 by 576 x 3072, SmolLM2's gate|up)."""
+    x, weight = torch.randn(2048, 576).to(dtype), torch.randn(3072, 576).to(dtype)
+    best = float("inf")
+    for _ in range(6):
+        start = time.perf_counter()
+        torch.nn.functional.linear(x, weight)
+        best = min(best, time.perf_counter() - start)
+    return 2 * x.shape[0] * x.shape[1] * weight.shape[0] / best / 1e9
+
+
+def prefill_floor(engine: LLMEngine, w: Workload, peft_seconds: float) -> dict:
+    """A bound on ours/PEFT for workload (b) that no engine on this machine can pass: the prompt
+    tokens' linear-layer FLOPs (2 x the layers' weights per token; no attention, no LoRA, no decode)
+    at the measured peak matmul rate, against PEFT's measured time."""
+    params = sum(p.numel() for name, p in engine.runner.model.named_parameters() if ".layers." in name)
+    prompt_tokens = sum(map(len, make_requests(token_pool(engine), w, "floor").prompts))
+    gflops = peak_gemm_gflops(engine.dtype)
+    seconds = 2 * params * prompt_tokens / gflops / 1e9
+    return {
+        "prompt_tokens": prompt_tokens,
+        "layer_params": params,
+        "peak_gemm_gflops": round(gflops, 1),
+        "prefill_linear_seconds_at_peak": round(seconds, 2),
+        "ours_over_peft_ceiling": round(peft_seconds / seconds, 2),
+    }
+
+
 def measure_throughput(w: Workload, tmp: Path, paths: list[Path]) -> tuple[dict, dict, LLMEngine]:
     engine = throughput_engine(w, tmp, paths)
     with torch.inference_mode():
         ours = measure_ours_throughput(engine, w)
         peft = measure_peft_throughput(engine, w, paths)
+        floor = prefill_floor(engine, w, peft["seconds"])
     vs_peft = {
         "ours_tokens_per_s": ours["lora_tokens_per_s"],
         "peft_tokens_per_s": peft["tokens_per_s"],
         "ours_over_peft": round(ours["lora_tokens_per_s"] / peft["tokens_per_s"], 3),
         "ours_runs": ours["runs"]["lora"],
         "peft": peft,
+        "compute_floor": floor,
     }
     vs_base = {
         "lora_tokens_per_s": ours["lora_tokens_per_s"],

@@ -1,4 +1,5 @@
-"""The compiled small-batch linear kernel against fp32 torch, and the bf16 engine that uses it."""
+"""The compiled linear kernel (weight-streaming path for a few rows, packed GEMM beyond) against fp32
+torch, and the bf16 engine that uses it."""
 
 from __future__ import annotations
 
@@ -23,8 +24,8 @@ def within_bf16_rounding(out: torch.Tensor, ref: torch.Tensor) -> bool:
     return bool(((out.float() - ref).abs() <= ref.abs() * 2**-8 * 1.001 + slack).all())
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 13, 16])
-@pytest.mark.parametrize(("k", "n"), [(576, 960), (1536, 576), (100, 37), (32, 1), (17, 64)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 13, 16, 17, 31, 33, 48, 64, 65, 100, 130])
+@pytest.mark.parametrize(("k", "n"), [(576, 960), (1536, 576), (100, 37), (32, 1), (17, 64), (34, 50)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_matches_fp32_reference(rows: int, k: int, n: int, with_bias: bool) -> None:
     gen = torch.Generator().manual_seed(rows * 1000 + k + n)
@@ -32,66 +33,87 @@ def test_matches_fp32_reference(rows: int, k: int, n: int, with_bias: bool) -> N
     w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
     b = torch.randn(n, generator=gen).to(torch.bfloat16) if with_bias else None
     ref = F.linear(x.float(), w.float(), None if b is None else b.float())
-    out = cpu_kernels.small_m_linear(x, w, b)
+    out = cpu_kernels.linear(x, w, b)
     assert out.dtype == torch.bfloat16 and out.shape == (rows, n)
     assert within_bf16_rounding(out, ref)
 
 
-def test_strided_rows_of_x() -> None:
-    """x may be a column slice of a wider tensor (rows strided), as a split of a merged projection is."""
-    wide = torch.randn(6, 700).to(torch.bfloat16)
-    x = wide[:, 50:626]  # [6, 576], row stride 700
+@pytest.mark.parametrize("rows", [3, 6, 70])
+def test_strided_rows_of_x(rows: int) -> None:
+    """x may be a column slice of a wider tensor (rows strided, here not even 4-byte aligned), as a
+    split of a merged projection is."""
+    wide = torch.randn(rows, 700).to(torch.bfloat16)
+    x = wide[:, 51:627]  # [rows, 576], row stride 700
     w = torch.randn(96, 576).to(torch.bfloat16)
-    assert within_bf16_rounding(cpu_kernels.small_m_linear(x, w), F.linear(x.float(), w.float()))
+    assert within_bf16_rounding(cpu_kernels.linear(x, w), F.linear(x.float(), w.float()))
+
+
+def test_a_row_does_not_depend_on_the_rows_beside_it() -> None:
+    """On the GEMM path (5 rows and more) each output row is summed in one fixed order, whatever the
+    batch around it and wherever it sits in the packed chunks."""
+    x, w = torch.randn(150, 576).to(torch.bfloat16), torch.randn(200, 576).to(torch.bfloat16)
+    full = cpu_kernels.linear(x, w)
+    for lo, hi in [(0, 5), (10, 27), (60, 70), (63, 150)]:
+        assert torch.equal(cpu_kernels.linear(x[lo:hi], w), full[lo:hi]), (lo, hi)
 
 
 def test_other_dtypes_fall_back_to_torch() -> None:
     x, w = torch.randn(3, 40), torch.randn(10, 40)
-    assert torch.equal(cpu_kernels.small_m_linear(x, w), F.linear(x, w))
-    assert cpu_kernels.small_m_linear(x[:0], w).shape == (0, 10)
+    assert torch.equal(cpu_kernels.linear(x, w), F.linear(x, w))
+    assert cpu_kernels.linear(x[:0], w).shape == (0, 10)
 
 
 def test_bad_inputs_are_refused() -> None:
     x, w = torch.randn(3, 64).to(torch.bfloat16), torch.randn(8, 64).to(torch.bfloat16)
     with pytest.raises(RuntimeError, match="columns"):
-        cpu_kernels.small_m_linear(x, w[:, :32].contiguous())
+        cpu_kernels.linear(x, w[:, :32].contiguous())
     with pytest.raises(RuntimeError, match="share a dtype"):
-        cpu_kernels.small_m_linear(x, w.float())
+        cpu_kernels.linear(x, w.float())
     with pytest.raises(RuntimeError, match="contiguous"):
-        cpu_kernels.small_m_linear(x, w.t().contiguous().t())
+        cpu_kernels.linear(x, w.t().contiguous().t())
     with pytest.raises(RuntimeError, match="bias"):
-        cpu_kernels.small_m_linear(x, w, torch.zeros(7, dtype=torch.bfloat16))
+        cpu_kernels.linear(x, w, torch.zeros(7, dtype=torch.bfloat16))
 
 
 def test_thread_count_does_not_change_the_result() -> None:
-    x, w = torch.randn(9, 576).to(torch.bfloat16), torch.randn(3000, 576).to(torch.bfloat16)
+    w = torch.randn(3000, 576).to(torch.bfloat16)
     threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = cpu_kernels.small_m_linear(x, w)
-        torch.set_num_threads(2)
-        many = cpu_kernels.small_m_linear(x, w)
-    finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(one, many)
+    for rows in (3, 9, 64, 200):
+        x = torch.randn(rows, 576).to(torch.bfloat16)
+        try:
+            torch.set_num_threads(1)
+            one = cpu_kernels.linear(x, w)
+            torch.set_num_threads(2)
+            many = cpu_kernels.linear(x, w)
+        finally:
+            torch.set_num_threads(threads)
+        assert torch.equal(one, many), rows
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("linear", ["cpu_kernel", "torch"])
 def test_bf16_engine_follows_the_fp32_model(linear: str, smollm2_dir: Path) -> None:
     """bf16 greedy output cannot equal fp32 token for token, so check it the other way: score the
-    engine's own output with transformers in fp32 (teacher forcing). Every token the engine chose
-    must be the fp32 model's top token or within bf16 noise of it, and its logprob must match."""
+    engine's own output with transformers in fp32 (teacher forcing). Nearly every token the engine
+    chose must be the fp32 model's top token, the rest within bf16 noise of it, and every chosen
+    token's logprob must match fp32's."""
     from transformers import AutoModelForCausalLM
 
-    engine = LLMEngine(EngineConfig(model=str(smollm2_dir), dtype="bfloat16", layer_backend=linear, max_num_seqs=8))
+    engine = LLMEngine(EngineConfig(model=str(smollm2_dir), dtype="bfloat16", layer_backend=linear, max_num_seqs=24))
     assert engine.layer_backend == linear
     texts = ["The capital of France is", "def add(a, b):\n   ", "Three primary colors are", "Once upon a time"]
-    prompts = [engine.tokenizer.encode(t) for t in texts]
+    # 20 requests: decode steps of 20 rows and a prefill step of ~150 run the kernel's GEMM path
+    prompts = [engine.tokenizer.encode(f"{i}. {t}") for i in range(5) for t in texts]
     params = SamplingParams(max_new_tokens=24, ignore_eos=True, logprobs=True)
     outs = engine.generate(prompts, params)
     hf = AutoModelForCausalLM.from_pretrained(str(smollm2_dir), dtype=torch.float32).eval()
+    gaps = []
     for prompt, out in zip(prompts, outs, strict=True):
         chosen, best = teacher_forced(hf, prompt, out.token_ids)
-        assert bool((chosen >= best - 0.25).all()), (linear, out.token_ids)
+        # bf16 moves a token's logprob by up to ~0.25 (the check below; the torch path reaches 0.24
+        # here); a ranking flip takes two such moves, so a chosen token may trail the top by 0.5
+        assert bool((chosen >= best - 0.5).all()), (linear, out.token_ids, (best - chosen).max().item())
         assert torch.allclose(torch.tensor(out.logprobs), chosen, atol=0.25), (linear, out.logprobs)
+        gaps.append(best - chosen)
+    exact = float((torch.cat(gaps) < 1e-4).float().mean())
+    assert exact >= 0.9, (linear, exact)  # a wrong row or a lost bias would flip far more than 10%

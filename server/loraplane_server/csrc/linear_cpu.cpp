@@ -1,21 +1,35 @@
-// y = x W^T (+ b) in bf16 for a few rows of x: the linear layers of a small decode step.
+// y = x W^T (+ b) in bf16 on the CPU, for any number of rows of x: the linear layers of decode
+// steps (a few rows up to the batch size) and of prefill chunks.
 //
-// With 1 to 16 rows of x, a linear layer reads its whole weight from memory to do a few FLOPs
-// per byte, so its speed is the speed at which the weight streams in. Measured on this project's
-// CPU (AMD EPYC, AVX512-BF16), torch's bf16 GEMM streams a weight at 7-13 GB/s there, while a
-// plain sequential read runs at 20-27 GB/s. This kernel walks W one row at a time (the whole
-// matrix in address order, one stream: walking several rows in step halved the read rate on
-// this machine), dots the row with up to 4 rows of x at once (vdpbf16ps, fp32 accumulators,
-// x stays in L1), and for 5 or more rows of x takes two W rows at a time, where the dot products
-// rather than the reads set the pace.
+// Two paths, chosen by the number of rows M:
+//
+// * M <= kFewRows: a linear layer reads its whole weight to do a few FLOPs per byte, so its speed
+//   is the speed at which the weight streams in. Measured on this project's CPU (AMD EPYC,
+//   AVX512-BF16), torch's bf16 GEMM streams a weight at 7-13 GB/s there, while a plain
+//   sequential read runs at 20-27 GB/s. This path walks W one row at a time (the whole matrix in
+//   address order, one stream: walking several rows in step halved the read rate on this
+//   machine) and dots the row with up to 4 rows of x at once (vdpbf16ps, horizontal sums). An odd
+//   K (no whole pairs to pack) takes this path at any M, two W rows at a time from 5 rows of x.
+//
+// * more rows: a register-tiled GEMM. x is packed per call into 64-row chunks laid out as
+//   [K/2][rows] pairs (one 16x16 transpose of 32-bit pairs at a time; x is small next to W), so
+//   one zmm load holds the pair (k, k+1) of 16 rows. A tile of NR rows of W, read in place from
+//   its usual [N, K] layout, broadcasts its pair (k, k+1) and feeds MT x NR accumulators (16 rows
+//   of x each): 24 accumulators for MT = 4, NR = 6. No horizontal sums; the next tile of W
+//   (contiguous after this one) is prefetched into L1 while this one computes, which took the
+//   kernel from ~280 to ~340 GFLOPS on 2 cores with weights streaming from DRAM. torch's oneDNN
+//   GEMM runs the same 30 layers + lm_head at ~220 GFLOPS at 64 rows (bench/linear.py); it
+//   packs W per call, which costs most when W streams from memory.
 //
 // Output rows are rounded to bf16 once, from the fp32 sum (round to nearest even), as torch's
 // bf16 linear does; the summation order differs from torch's, so results agree to bf16
-// rounding, not bitwise. Each output element is computed by one thread start to end, so the
-// result does not depend on the thread count. Rows of W are spread over torch's intra-op pool.
+// rounding, not bitwise. Each output element is computed by one thread start to end in a fixed
+// order, so the result does not depend on the thread count, and (on the GEMM path) a row's
+// result does not depend on which other rows share the call. Rows of W are spread over torch's
+// intra-op pool.
 //
-// Registered as torch.ops.loraplane.small_m_linear_ (in-place on `out`). Builds without
-// AVX512-BF16 register the same op over at::linear, so callers never need to ask.
+// Registered as torch.ops.loraplane.linear_ (in-place on `out`). Builds without AVX512-BF16 and
+// other dtypes run the same op over at::linear, so callers never need to ask.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -26,6 +40,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
+#include <vector>
 
 namespace {
 
@@ -83,7 +99,7 @@ inline void w_rows(BF* out, int64_t so, const BF* x, int64_t sx, const BF* w, in
 }
 
 template <int R>
-void linear_bf16(BF* out, int64_t so, const BF* x, int64_t sx, const BF* w, const BF* bias, int64_t M, int64_t K,
+void few_rows_linear(BF* out, int64_t so, const BF* x, int64_t sx, const BF* w, const BF* bias, int64_t M, int64_t K,
                  int64_t N) {
   const int64_t groups = (N + R - 1) / R;
   at::parallel_for(0, groups, 16, [&](int64_t begin, int64_t end) {
@@ -98,22 +114,153 @@ void linear_bf16(BF* out, int64_t so, const BF* x, int64_t sx, const BF* w, cons
     }
   });
 }
+
+// ---- the GEMM path -------------------------------------------------------------------------
+
+constexpr int64_t kFewRows = 4;     // up to here the weight-streaming path wins (bench/linear.py)
+constexpr int64_t kChunkRows = 64;  // rows of x per packed chunk: up to 4 zmm of 16 rows
+constexpr int64_t kGroupRows = 48;  // rows of W per unit of parallel work (a multiple of 6, 8, 12)
+
+inline uint32_t load_u32(const void* p) {
+  uint32_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// 16x16 transpose of 32-bit lanes: in[i] row i -> out[j] holds column j.
+__attribute__((always_inline)) inline void transpose16(__m512i (&r)[16]) {
+  __m512i t[16], u[16];
+#pragma GCC unroll 8
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < 16; i += 4) {  // u[i + c]: in each 128-bit lane j, column 4j + c of rows i..i+3
+    u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+#pragma GCC unroll 4
+  for (int c = 0; c < 4; ++c) {
+    const __m512i lo_ab = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44), hi_ab = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xEE);
+    const __m512i lo_cd = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44);
+    const __m512i hi_cd = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xEE);
+    r[c] = _mm512_shuffle_i32x4(lo_ab, lo_cd, 0x88);
+    r[4 + c] = _mm512_shuffle_i32x4(lo_ab, lo_cd, 0xDD);
+    r[8 + c] = _mm512_shuffle_i32x4(hi_ab, hi_cd, 0x88);
+    r[12 + c] = _mm512_shuffle_i32x4(hi_ab, hi_cd, 0xDD);
+  }
+}
+
+// One chunk of `rows` (<= 64) rows of x into xp [K2][width] 32-bit pairs, width = rows rounded up
+// to 16; the padding rows are zero. K is even.
+void pack_chunk(uint32_t* xp, const BF* x, int64_t sx, int64_t rows, int64_t K2, int64_t width) {
+  for (int64_t g = 0; g < width; g += 16) {
+    for (int64_t kp = 0; kp < K2; kp += 16) {
+      const int64_t n = std::min<int64_t>(16, K2 - kp);
+      const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1);
+      __m512i r[16];
+#pragma GCC unroll 16
+      for (int i = 0; i < 16; ++i)
+        r[i] = g + i < rows ? _mm512_maskz_loadu_epi32(mask, x + (g + i) * sx + 2 * kp) : _mm512_setzero_si512();
+      transpose16(r);
+      for (int64_t j = 0; j < n; ++j) _mm512_storeu_si512(xp + (kp + j) * width + g, r[j]);
+    }
+  }
+}
+
+// out[m, n + r] = x[m] . w[n + r] (+ bias) for the chunk's rows m and r < nr (<= NR).
+template <int MT, int NR>
+inline void gemm_tile(BF* out, int64_t so, int64_t rows, const uint32_t* xp, const BF* w, int64_t K2, const BF* bias,
+                      int64_t nr) {
+  __m512 acc[NR][MT];
+#pragma GCC unroll 16
+  for (int r = 0; r < NR; ++r)
+#pragma GCC unroll 4
+    for (int j = 0; j < MT; ++j) acc[r][j] = _mm512_setzero_ps();
+  const char* next = reinterpret_cast<const char*>(w + NR * 2 * K2);  // the tile after this one
+  for (int64_t kp = 0; kp < K2; ++kp) {
+    _mm_prefetch(next + kp * NR * 4, _MM_HINT_T0);  // one tile's bytes over one tile's loop
+    __m512i xv[MT];
+#pragma GCC unroll 4
+    for (int j = 0; j < MT; ++j) xv[j] = _mm512_loadu_si512(xp + kp * MT * 16 + j * 16);
+#pragma GCC unroll 16
+    for (int r = 0; r < NR; ++r) {
+      const __m512i b = _mm512_set1_epi32(static_cast<int>(load_u32(w + (r * K2 + kp) * 2)));
+#pragma GCC unroll 4
+      for (int j = 0; j < MT; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], (__m512bh)xv[j], (__m512bh)b);
+    }
+  }
+  alignas(64) uint16_t tile[NR][MT * 16];
+#pragma GCC unroll 16
+  for (int r = 0; r < NR; ++r) {
+    const __m512 b = bias != nullptr ? _mm512_set1_ps(static_cast<float>(bias[r])) : _mm512_setzero_ps();
+#pragma GCC unroll 4
+    for (int j = 0; j < MT; ++j)
+      _mm256_store_si256(reinterpret_cast<__m256i*>(&tile[r][j * 16]),
+                         (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[r][j], b)));
+  }
+  for (int64_t m = 0; m < rows; ++m) {
+    uint16_t* o = reinterpret_cast<uint16_t*>(out + m * so);
+    for (int64_t r = 0; r < nr; ++r) o[r] = tile[r][m];
+  }
+}
+
+// Rows n0..n1 of W against one packed chunk, NR rows of W at a time (single rows for the tail).
+template <int MT, int NR>
+void gemm_rows(BF* out, int64_t so, int64_t rows, const uint32_t* xp, const BF* w, int64_t K2, const BF* bias,
+               int64_t n0, int64_t n1) {
+  int64_t n = n0;
+  for (; n + NR <= n1; n += NR)
+    gemm_tile<MT, NR>(out + n, so, rows, xp, w + n * 2 * K2, K2, bias == nullptr ? nullptr : bias + n, NR);
+  for (; n < n1; ++n)
+    gemm_tile<MT, 1>(out + n, so, rows, xp, w + n * 2 * K2, K2, bias == nullptr ? nullptr : bias + n, 1);
+}
+
+void gemm_linear(BF* out, int64_t so, const BF* x, int64_t sx, const BF* w, const BF* bias, int64_t M, int64_t K,
+                 int64_t N) {
+  const int64_t K2 = K / 2, chunks = (M + kChunkRows - 1) / kChunkRows;
+  std::vector<uint32_t> packed(static_cast<size_t>(chunks * kChunkRows * K2));
+  at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t c = begin; c < end; ++c) {
+      const int64_t rows = std::min(kChunkRows, M - c * kChunkRows);
+      pack_chunk(packed.data() + c * kChunkRows * K2, x + c * kChunkRows * sx, sx, rows, K2, (rows + 15) / 16 * 16);
+    }
+  });
+  // each thread takes whole groups of W rows and runs them against every chunk in turn
+  at::parallel_for(0, (N + kGroupRows - 1) / kGroupRows, 1, [&](int64_t begin, int64_t end) {
+    const int64_t n0 = begin * kGroupRows, n1 = std::min(N, end * kGroupRows);
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t rows = std::min(kChunkRows, M - c * kChunkRows);
+      const uint32_t* xp = packed.data() + c * kChunkRows * K2;
+      BF* oc = out + c * kChunkRows * so;
+      switch ((rows + 15) / 16) {
+        case 4: gemm_rows<4, 6>(oc, so, rows, xp, w, K2, bias, n0, n1); break;
+        case 3: gemm_rows<3, 8>(oc, so, rows, xp, w, K2, bias, n0, n1); break;
+        case 2: gemm_rows<2, 12>(oc, so, rows, xp, w, K2, bias, n0, n1); break;
+        default: gemm_rows<1, 12>(oc, so, rows, xp, w, K2, bias, n0, n1); break;
+      }
+    }
+  });
+}
 #endif
 
 // out: [M, N], x: [M, K] (rows may be strided), w: [N, K] contiguous, bias: [N] or none; one dtype.
-void small_m_linear_(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu() && out.device().is_cpu(), "small_m_linear_: CPU tensors only");
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && out.dim() == 2, "small_m_linear_: x [M, K], w [N, K], out [M, N]");
+void linear_(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu() && out.device().is_cpu(), "linear_: CPU tensors only");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && out.dim() == 2, "linear_: x [M, K], w [N, K], out [M, N]");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  TORCH_CHECK(w.size(1) == K, "small_m_linear_: w has ", w.size(1), " columns, x has ", K);
-  TORCH_CHECK(out.size(0) == M && out.size(1) == N, "small_m_linear_: out must be [", M, ", ", N, "]");
+  TORCH_CHECK(w.size(1) == K, "linear_: w has ", w.size(1), " columns, x has ", K);
+  TORCH_CHECK(out.size(0) == M && out.size(1) == N, "linear_: out must be [", M, ", ", N, "]");
   TORCH_CHECK(x.scalar_type() == w.scalar_type() && out.scalar_type() == x.scalar_type(),
-              "small_m_linear_: x, w and out must share a dtype");
+              "linear_: x, w and out must share a dtype");
   TORCH_CHECK(x.stride(1) == 1 && out.stride(1) == 1 && w.is_contiguous(),
-              "small_m_linear_: rows of x and out, and all of w, must be contiguous");
+              "linear_: rows of x and out, and all of w, must be contiguous");
   if (bias.has_value()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->is_contiguous(), "small_m_linear_: bias must be [N]");
-    TORCH_CHECK(bias->scalar_type() == x.scalar_type(), "small_m_linear_: bias must share x's dtype");
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->is_contiguous(), "linear_: bias must be [N]");
+    TORCH_CHECK(bias->scalar_type() == x.scalar_type(), "linear_: bias must share x's dtype");
   }
   if (M == 0 || N == 0) return;
 #ifdef LORAPLANE_AVX512_BF16
@@ -121,10 +268,12 @@ void small_m_linear_(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, 
     auto* po = out.data_ptr<BF>();
     const auto *px = x.data_ptr<BF>(), *pw = w.data_ptr<BF>();
     const BF* pb = bias.has_value() ? bias->data_ptr<BF>() : nullptr;
-    if (M <= 4) {
-      linear_bf16<1>(po, out.stride(0), px, x.stride(0), pw, pb, M, K, N);
+    if (M <= kFewRows) {
+      few_rows_linear<1>(po, out.stride(0), px, x.stride(0), pw, pb, M, K, N);
+    } else if (K % 2 != 0) {  // no whole pairs to pack
+      few_rows_linear<2>(po, out.stride(0), px, x.stride(0), pw, pb, M, K, N);
     } else {
-      linear_bf16<2>(po, out.stride(0), px, x.stride(0), pw, pb, M, K, N);
+      gemm_linear(po, out.stride(0), px, x.stride(0), pw, pb, M, K, N);
     }
     return;
   }
@@ -135,7 +284,7 @@ void small_m_linear_(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(loraplane, m) {
-  m.def("small_m_linear_(Tensor(a!) out, Tensor x, Tensor w, Tensor? bias) -> ()");
+  m.def("linear_(Tensor(a!) out, Tensor x, Tensor w, Tensor? bias) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(loraplane, CPU, m) { m.impl("small_m_linear_", small_m_linear_); }
+TORCH_LIBRARY_IMPL(loraplane, CPU, m) { m.impl("linear_", linear_); }

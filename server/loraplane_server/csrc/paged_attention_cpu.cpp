@@ -12,7 +12,9 @@
 // The bf16 kernel updates the softmax once per 128 tokens (scores of a chunk of blocks first,
 // then one max/exp/rescale, then the values), and multiplies the weights by V with vdpbf16ps,
 // two tokens per instruction, the weights rounded to bf16 for that product as flash-attention
-// kernels do. Measured on 64 sequences x 300 tokens x 30 layers, 2 threads: 96 -> 75 ms.
+// kernels do. Measured on 64 sequences x 300 tokens x 30 layers, 2 threads: 96 -> 75 ms. Its
+// loops are unrolled by pragma: left to the compiler, the 12 accumulators of P V lived on the
+// stack, and a step with the keys and values in cache took 29 instead of 19 ns per token and kv head.
 //
 // Registered as torch.ops.loraplane.paged_decode_attention_ (in-place on `out`).
 
@@ -311,16 +313,19 @@ void decode_kernel_bf16(
             const bool pair = t + 1 < n;
             const c10::BFloat16* r0 = vb + t * row_stride;
             __m512i lo[C2], hi[C2];
+#pragma GCC unroll 4
             for (int64_t c = 0; c < C2; ++c) {
               const __m512i a = _mm512_loadu_si512(r0 + c * 32);
               const __m512i b2 = pair ? _mm512_loadu_si512(r0 + row_stride + c * 32) : _mm512_setzero_si512();
               lo[c] = _mm512_unpacklo_epi16(a, b2);
               hi[c] = _mm512_unpackhi_epi16(a, b2);
             }
+#pragma GCC unroll 16
             for (int64_t g = 0; g < G; ++g) {
               const uint16_t* pg = pbf.data() + g * stride + t0 + t;
               const uint32_t bits = static_cast<uint32_t>(pg[0]) | (pair ? static_cast<uint32_t>(pg[1]) << 16 : 0u);
               const __m512bh pp = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(bits));
+#pragma GCC unroll 4
               for (int64_t c = 0; c < C2; ++c) {
                 acc[g][2 * c] = _mm512_dpbf16_ps(acc[g][2 * c], (__m512bh)lo[c], pp);
                 acc[g][2 * c + 1] = _mm512_dpbf16_ps(acc[g][2 * c + 1], (__m512bh)hi[c], pp);

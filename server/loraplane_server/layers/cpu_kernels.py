@@ -1,5 +1,6 @@
 """Builds and loads the CPU kernels (csrc/*.cpp), once per machine: decode and prefill attention
-over the paged KV cache, a linear layer for decode steps of a few rows, and the fused elementwise parts of
+over the paged KV cache, the linear layers (a weight-streaming path for a few rows, a
+register-tiled GEMM for more), and the fused elementwise parts of
 a decoder layer (RMSNorm with the residual add, rotary, SiLU-and-multiply) and LoRA for decode rows
 of many adapters (BGMV); bf16.
 
@@ -36,8 +37,8 @@ SOURCE_NAMES = (
 )
 SOURCES = tuple(CSRC / name for name in SOURCE_NAMES)
 HEADERS = (CSRC / "cpu_common.h",)  # included by the sources: part of the build key
-# up to this many rows of x, small_m_linear beats torch's bf16 GEMM on the CPU (bench/linear.py)
-SMALL_M_MAX_ROWS = 16
+# up to this many rows of x, the kernel's linear beats torch's bf16 GEMM on the CPU (bench/linear.py)
+LINEAR_MAX_ROWS = 256
 # -fopenmp: at::parallel_for is an OpenMP pragma in torch's headers; without it the kernel runs on
 # one thread. The extension then links libgomp.so.1, which resolves to the copy torch already loaded.
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
@@ -91,7 +92,7 @@ def load() -> bool:
             ops = (
                 "paged_decode_attention_",
                 "paged_prefill_attention_",
-                "small_m_linear_",
+                "linear_",
                 "add_rms_norm_",
                 "rotary_",
                 "silu_mul_",
@@ -122,10 +123,10 @@ def paged_decode_attention(
     return out
 
 
-def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear for x [M, K] with few rows: weight [N, K] contiguous -> [M, N] (bf16 is the fast case)."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear for x [M, K] (rows may be strided): weight [N, K] contiguous -> [M, N] (bf16 is the fast case)."""
     out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
-    torch.ops.loraplane.small_m_linear_(out, x, weight, bias)
+    torch.ops.loraplane.linear_(out, x, weight, bias)
     return out
 
 

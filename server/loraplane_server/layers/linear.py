@@ -15,10 +15,10 @@ from loraplane_server.layers import cpu_kernels
 
 
 def base_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernels: bool) -> torch.Tensor:
-    """F.linear, or the CPU kernel when asked and x is a few bf16 rows (decode: weight-read bound)."""
-    if kernels and x.shape[0] <= cpu_kernels.SMALL_M_MAX_ROWS and x.dtype == torch.bfloat16 and x.dim() == 2:
+    """F.linear, or the CPU kernel when asked and x is bf16 rows (bench/linear.py: faster at every batch size)."""
+    if kernels and x.shape[0] <= cpu_kernels.LINEAR_MAX_ROWS and x.dtype == torch.bfloat16 and x.dim() == 2:
         if x.stride(-1) == 1 and weight.is_contiguous():
-            return cpu_kernels.small_m_linear(x, weight, bias)
+            return cpu_kernels.linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
