@@ -267,6 +267,22 @@ def test_uninstall_hook(helm: str, tmp_path: Path) -> None:
     assert _hooks(_render(helm, "-f", _values_file(tmp_path, off, "off.yaml"))) == []
 
 
+@pytest.mark.parametrize(("account", "expected"), [("", "lp-loraplane"), ("cleanup", "cleanup")])
+def test_uninstall_hook_without_rbac(helm: str, tmp_path: Path, account: str, expected: str) -> None:
+    """rbac.create=false: the chart creates no RBAC, the hook included; its Job runs as the named
+    account, or the operator's."""
+    rbac = {"create": False, "aggregateRoles": False}
+    values = {**ALL_ON, "rbac": rbac, "uninstallHook": {"serviceAccountName": account}}
+    docs = _render(helm, "-f", _values_file(tmp_path, values))
+    assert not [d for d in docs if d["kind"] in ("Role", "RoleBinding", "ClusterRole", "ClusterRoleBinding")]
+    hooks = _hooks(docs)
+    assert [d["kind"] for d in hooks] == ["Job"]
+    assert hooks[0]["spec"]["template"]["spec"]["serviceAccountName"] == expected
+    operator = _one(docs, "Deployment", "-operator")
+    if not account:
+        assert operator["spec"]["template"]["spec"]["serviceAccountName"] == expected
+
+
 def test_monitors_select_the_operators_server_labels(helm: str, tmp_path: Path) -> None:
     docs = _render(helm, "-f", _values_file(tmp_path, ALL_ON))
     labels = builders.server_labels("any-server")
