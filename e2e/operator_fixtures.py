@@ -236,7 +236,7 @@ def adapter_rows(pod: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 def complete(pod: dict[str, Any], model: str, prompt: str, max_tokens: int = 12) -> str:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    body: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
     with _session() as session:
         response = session.post(f"{pod_url(pod)}/v1/completions", json=body, timeout=120)
     assert response.status_code == 200, f"{model} on {pod['metadata']['name']}: {response.status_code} {response.text}"
@@ -299,14 +299,14 @@ def reference_greedy(adapters: dict[str, Path], prompt: str, max_tokens: int) ->
             model = PeftModel.from_pretrained(model, str(adapter_dir)).eval()
         with torch.no_grad():
             out = model.generate(input_ids=torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False)
-        texts[name] = tokenizer.decode(out[0, len(ids) :].tolist(), skip_special_tokens=True)
+        texts[name] = str(tokenizer.decode(out[0, len(ids) :].tolist(), skip_special_tokens=True))
         del model
     return ids, texts
 
 
 def complete_ids(pod: dict[str, Any], model: str, prompt_ids: list[int], max_tokens: int) -> str:
     """/v1/completions with a token-id prompt (no tokenizer differences), greedy; the generated text."""
-    body = {"model": model, "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0}
+    body: dict[str, Any] = {"model": model, "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0}
     with _session() as session:
         response = session.post(f"{pod_url(pod)}/v1/completions", json=body, timeout=120)
     assert response.status_code == 200, f"{model} on {pod['metadata']['name']}: {response.status_code} {response.text}"
