@@ -41,7 +41,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <vector>
+#include <memory>
 
 namespace {
 
@@ -222,11 +222,12 @@ void gemm_rows(BF* out, int64_t so, int64_t rows, const uint32_t* xp, const BF* 
 void gemm_linear(BF* out, int64_t so, const BF* x, int64_t sx, const BF* w, const BF* bias, int64_t M, int64_t K,
                  int64_t N) {
   const int64_t K2 = K / 2, chunks = (M + kChunkRows - 1) / kChunkRows;
-  std::vector<uint32_t> packed(static_cast<size_t>(chunks * kChunkRows * K2));
+  // uninitialized: pack_chunk writes every pair of every row up to the chunk's width
+  std::unique_ptr<uint32_t[]> packed(new uint32_t[static_cast<size_t>(chunks * kChunkRows * K2)]);
   at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t c = begin; c < end; ++c) {
       const int64_t rows = std::min(kChunkRows, M - c * kChunkRows);
-      pack_chunk(packed.data() + c * kChunkRows * K2, x + c * kChunkRows * sx, sx, rows, K2, (rows + 15) / 16 * 16);
+      pack_chunk(packed.get() + c * kChunkRows * K2, x + c * kChunkRows * sx, sx, rows, K2, (rows + 15) / 16 * 16);
     }
   });
   // each thread takes whole groups of W rows and runs them against every chunk in turn
@@ -234,7 +235,7 @@ void gemm_linear(BF* out, int64_t so, const BF* x, int64_t sx, const BF* w, cons
     const int64_t n0 = begin * kGroupRows, n1 = std::min(N, end * kGroupRows);
     for (int64_t c = 0; c < chunks; ++c) {
       const int64_t rows = std::min(kChunkRows, M - c * kChunkRows);
-      const uint32_t* xp = packed.data() + c * kChunkRows * K2;
+      const uint32_t* xp = packed.get() + c * kChunkRows * K2;
       BF* oc = out + c * kChunkRows * so;
       switch ((rows + 15) / 16) {
         case 4: gemm_rows<4, 6>(oc, so, rows, xp, w, K2, bias, n0, n1); break;
