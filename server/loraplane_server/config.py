@@ -31,7 +31,7 @@ class EngineConfig:
     # else torch) | torch | cpu_kernel
     # | triton
     attention_backend: str = "auto"
-    # dense layers (few-row linear, fused norm/rotary/activation): auto (cpu_kernel on the CPU in bf16 when
+    # dense layers (linear up to 256 rows, fused norm/rotary/activation): auto (cpu_kernel on the CPU in bf16 when
     # it builds, else torch) | torch | cpu_kernel
     layer_backend: str = "auto"
 

@@ -383,7 +383,7 @@ def _attention_backend(requested: str, device: torch.device) -> str:
 
 
 def _layer_backend(requested: str, device: torch.device, dtype: torch.dtype) -> str:
-    """auto: the compiled bf16 layer kernels (few-row linear, fused norm/rotary/activation) on the CPU in bf16
+    """auto: the compiled bf16 layer kernels (linear, fused norm/rotary/activation) on the CPU in bf16
     when they build here; torch otherwise."""
     if requested == "cpu_kernel":
         if device.type != "cpu":

@@ -15,7 +15,7 @@ from loraplane_server.layers import cpu_kernels
 
 
 def base_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernels: bool) -> torch.Tensor:
-    """F.linear, or the CPU kernel when asked and x is bf16 rows (bench/linear.py: faster at every batch size)."""
+    """F.linear, or the CPU kernel when asked and x is up to LINEAR_MAX_ROWS bf16 rows (bench/linear.py)."""
     if kernels and x.shape[0] <= cpu_kernels.LINEAR_MAX_ROWS and x.dtype == torch.bfloat16 and x.dim() == 2:
         if x.stride(-1) == 1 and weight.is_contiguous():
             return cpu_kernels.linear(x, weight, bias)
