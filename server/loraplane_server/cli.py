@@ -27,7 +27,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         "--layer-backend",
         default="auto",
         choices=["auto", "torch", "cpu_kernel"],
-        help="dense layers: auto uses the compiled CPU kernels (linear up to 256 rows, fused norms) on the CPU in bf16",
+        help="dense layers: auto uses the compiled CPU kernels (linear, fused norms, BGMV) on the CPU in bf16",
     )
 
 

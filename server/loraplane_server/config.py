@@ -31,8 +31,8 @@ class EngineConfig:
     # else torch) | torch | cpu_kernel
     # | triton
     attention_backend: str = "auto"
-    # dense layers (linear up to 256 rows, fused norm/rotary/activation): auto (cpu_kernel on the CPU in bf16 when
-    # it builds, else torch) | torch | cpu_kernel
+    # dense layers (linear up to cpu_kernels.LINEAR_MAX_ROWS rows, fused norm/rotary/activation, BGMV):
+    # auto (cpu_kernel on the CPU in bf16 when it builds, else torch) | torch | cpu_kernel
     layer_backend: str = "auto"
 
     def __post_init__(self) -> None:

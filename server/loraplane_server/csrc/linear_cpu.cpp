@@ -99,8 +99,8 @@ inline void w_rows(BF* out, int64_t so, const BF* x, int64_t sx, const BF* w, in
 }
 
 template <int R>
-void few_rows_linear(BF* out, int64_t so, const BF* x, int64_t sx, const BF* w, const BF* bias, int64_t M, int64_t K,
-                 int64_t N) {
+void few_rows_linear(BF* out, int64_t so, const BF* x, int64_t sx, const BF* w, const BF* bias, int64_t M,
+                     int64_t K, int64_t N) {
   const int64_t groups = (N + R - 1) / R;
   at::parallel_for(0, groups, 16, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g) {
