@@ -65,7 +65,7 @@ def measure(rows: int, weights: dict[tuple[int, int], list[torch.Tensor]], head:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 6, 8, 16, 32, 64, 128, 512])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 6, 8, 16, 32, 64, 128, 512, 1024, 2048])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--out", type=Path, default=Path("bench/out/linear.json"))
     args = parser.parse_args()

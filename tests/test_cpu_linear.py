@@ -24,7 +24,7 @@ def within_bf16_rounding(out: torch.Tensor, ref: torch.Tensor) -> bool:
     return bool(((out.float() - ref).abs() <= ref.abs() * 2**-8 * 1.001 + slack).all())
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 13, 16, 17, 31, 33, 48, 64, 65, 100, 130])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 13, 16, 17, 31, 33, 48, 64, 65, 100, 130, 257, 700, 1024])
 @pytest.mark.parametrize(("k", "n"), [(576, 960), (1536, 576), (100, 37), (32, 1), (17, 64), (34, 50)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_matches_fp32_reference(rows: int, k: int, n: int, with_bias: bool) -> None:
@@ -78,7 +78,7 @@ def test_bad_inputs_are_refused() -> None:
 def test_thread_count_does_not_change_the_result() -> None:
     w = torch.randn(3000, 576).to(torch.bfloat16)
     threads = torch.get_num_threads()
-    for rows in (3, 9, 64, 200):
+    for rows in (3, 9, 64, 200, 700):
         x = torch.randn(rows, 576).to(torch.bfloat16)
         try:
             torch.set_num_threads(1)

@@ -38,7 +38,7 @@ SOURCE_NAMES = (
 SOURCES = tuple(CSRC / name for name in SOURCE_NAMES)
 HEADERS = (CSRC / "cpu_common.h",)  # included by the sources: part of the build key
 # up to this many rows of x, the kernel's linear beats torch's bf16 GEMM on the CPU (bench/linear.py)
-LINEAR_MAX_ROWS = 256
+LINEAR_MAX_ROWS = 1024
 # -fopenmp: at::parallel_for is an OpenMP pragma in torch's headers; without it the kernel runs on
 # one thread. The extension then links libgomp.so.1, which resolves to the copy torch already loaded.
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
