@@ -1,5 +1,5 @@
 """The CPU BGMV kernel (csrc/lora_cpu.cpp) against the LoRA math in fp32, and a bf16 engine serving
-many adapters at once, scored against PEFT in fp32."""
+many adapters at once (decode and prefill rows through the kernel), scored against PEFT in fp32."""
 
 from __future__ import annotations
 
@@ -21,37 +21,89 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@pytest.mark.parametrize(("k", "n", "w"), [(576, 960, 16), (1536, 576, 8), (100, 37, 5), (64, 200, 1)])
-def test_bgmv_matches_fp32(k: int, n: int, w: int) -> None:
-    gen = torch.Generator().manual_seed(k + n)
-    slots_total, width = 6, w + 3  # 5 adapters and a zero "none" slot; only the first w rank columns are used
-    a = (torch.randn(slots_total, width, k, generator=gen) * 0.1).to(torch.bfloat16)
-    bt = (torch.randn(slots_total, width, n, generator=gen) * 0.1).to(torch.bfloat16)
-    a[5], bt[5] = 0, 0
-    slots = torch.tensor([0, 3, 5, 3, 1, 4, 2, 5, 0])
+def reference_delta(
+    x: torch.Tensor, a: torch.Tensor, bt: torch.Tensor, slots: torch.Tensor, proj_rows: torch.Tensor, bounds: list[int]
+) -> torch.Tensor:
+    """fp32 delta [B, N]: each row's slot, each projection's own rank rows against its own columns."""
+    delta = torch.zeros(x.shape[0], bt.shape[-1])
+    for row, s in enumerate(slots.tolist()):
+        for p in range(len(bounds) - 1):
+            r0, nr = proj_rows[s, p].tolist()
+            h = a[s, r0 : r0 + nr].float() @ x[row].float()  # [nr]
+            delta[row, bounds[p] : bounds[p + 1]] += h @ bt[s, r0 : r0 + nr, bounds[p] : bounds[p + 1]].float()
+    return delta
+
+
+@pytest.mark.parametrize(
+    ("k", "bounds", "rank"),
+    [(576, [0, 576, 768, 960], 8), (576, [0, 1536, 3072], 16), (1536, [0, 576], 8), (100, [0, 20, 20, 37], 5)],
+)
+def test_bgmv_matches_fp32(k: int, bounds: list[int], rank: int) -> None:
+    """Block-diagonal slots as lora/slots.py lays them out: slot s's projection p on rank rows
+    [p*r, p*r + r_p). Ranks differ per slot, some projections are absent, slot 5 is the zero "none"
+    slot; decode rows on single slots, then prefill runs of one slot."""
+    gen = torch.Generator().manual_seed(k + bounds[-1])
+    n, num_p, total = bounds[-1], len(bounds) - 1, 6
+    width = num_p * rank
+    a = torch.zeros(total, width, k, dtype=torch.bfloat16)
+    bt = torch.zeros(total, width, n, dtype=torch.bfloat16)
+    proj_rows = torch.zeros(total, num_p, 2, dtype=torch.int64)
+    for s in range(5):
+        r = max(1, rank - s)  # the slot's own rank
+        for p in range(num_p):
+            if (s + p) % 3 == 2:
+                continue  # projection p not targeted by slot s's adapter
+            rows = slice(p * r, p * r + r)
+            a[s, rows] = (torch.randn(r, k, generator=gen) * 0.1).to(torch.bfloat16)
+            bt[s, rows, bounds[p] : bounds[p + 1]] = (
+                torch.randn(r, bounds[p + 1] - bounds[p], generator=gen) * 0.1
+            ).to(torch.bfloat16)
+            proj_rows[s, p] = torch.tensor([p * r, r])
+    slots = torch.tensor([0, 3, 5, 3, 1, 4, 2, 5, 0] + [2] * 7 + [5] * 3 + [4] * 20)
     x = torch.randn(len(slots), k, generator=gen).to(torch.bfloat16)
     wide_out = torch.randn(len(slots), n + 10, generator=gen).to(torch.bfloat16)
-    out = wide_out[:, 5 : 5 + n]  # rows strided, as out[:nd] of a merged projection may be
+    out = wide_out[:, 5 : 5 + n]  # rows strided, as a slice of a merged projection's output may be
     base, wide_before = out.clone(), wide_out.clone()
-    cpu_kernels.bgmv_(out, x, a, bt, slots, w, 5)
-    h = torch.einsum("bk,bjk->bj", x.float(), a[slots, :w].float())
-    expected = base.float() + torch.einsum("bj,bjn->bn", h, bt[slots, :w].float())
+    cpu_kernels.bgmv_(out, x, a, bt, slots, proj_rows, torch.tensor(bounds), 5)
+    expected = base.float() + reference_delta(x, a, bt, slots, proj_rows, bounds)
     torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=1e-2)
     assert torch.equal(out[slots == 5], base[slots == 5])  # rows on the skipped slot are untouched
     assert torch.equal(wide_out[:, :5], wide_before[:, :5]) and torch.equal(
         wide_out[:, 5 + n :], wide_before[:, 5 + n :]
     )
+    # the zero blocks are not read: filling them with garbage changes nothing
+    for s in range(5):
+        owned = torch.zeros(width, dtype=torch.bool)
+        for p in range(num_p):
+            r0, nr = proj_rows[s, p].tolist()
+            owned[r0 : r0 + nr] = True
+            others = torch.ones(n, dtype=torch.bool)
+            others[bounds[p] : bounds[p + 1]] = False
+            bt[s, r0 : r0 + nr, others] = 1e4  # other projections' columns of these rows
+        a[s, ~owned], bt[s, ~owned] = 1e4, 1e4  # rows of no projection (absent ones, the rank's tail)
+    again = base.clone()
+    cpu_kernels.bgmv_(again, x, a, bt, slots, proj_rows, torch.tensor(bounds), 5)
+    assert torch.equal(again, out)
 
 
 def test_bgmv_refuses_bad_slots_and_shapes() -> None:
     a, bt = torch.zeros(3, 4, 8, dtype=torch.bfloat16), torch.zeros(3, 4, 6, dtype=torch.bfloat16)
     x, out = torch.zeros(2, 8, dtype=torch.bfloat16), torch.zeros(2, 6, dtype=torch.bfloat16)
+    rows, bounds = torch.zeros(3, 2, 2, dtype=torch.int64), torch.tensor([0, 4, 6])
     with pytest.raises(RuntimeError, match="out of range"):
-        cpu_kernels.bgmv_(out, x, a, bt, torch.tensor([0, 3]), 4, 2)
-    with pytest.raises(RuntimeError, match="width"):
-        cpu_kernels.bgmv_(out, x, a, bt, torch.tensor([0, 1]), 5, 2)
+        cpu_kernels.bgmv_(out, x, a, bt, torch.tensor([0, 3]), rows, bounds, 2)
+    bad = rows.clone()
+    bad[1, 1] = torch.tensor([2, 3])  # rows 2..4 of a 4-row slot
+    with pytest.raises(RuntimeError, match="rank rows"):
+        cpu_kernels.bgmv_(out, x, a, bt, torch.tensor([0, 1]), bad, bounds, 2)
+    with pytest.raises(RuntimeError, match="out_bounds"):
+        cpu_kernels.bgmv_(out, x, a, bt, torch.tensor([0, 1]), rows, torch.tensor([0, 4, 7]), 2)
+    with pytest.raises(RuntimeError, match="out_bounds"):
+        cpu_kernels.bgmv_(out, x, a, bt, torch.tensor([0, 1]), rows, torch.tensor([0, 5, 4]), 2)
+    with pytest.raises(RuntimeError, match="proj_rows"):
+        cpu_kernels.bgmv_(out, x, a, bt, torch.tensor([0, 1]), rows[:, :1].contiguous(), bounds, 2)
     with pytest.raises(RuntimeError, match="bf16"):
-        cpu_kernels.bgmv_(out.float(), x, a, bt, torch.tensor([0, 1]), 4, 2)
+        cpu_kernels.bgmv_(out.float(), x, a, bt, torch.tensor([0, 1]), rows, bounds, 2)
 
 
 @pytest.mark.slow

@@ -87,11 +87,15 @@ class ModelRunner:
         if lens is not None and tables is not None and self.decode_attention == "torch":
             span = torch.arange(tables.shape[1] * bs, device=self.device)
             batch.decode_mask = (span < batch.decode_context_lens.unsqueeze(1))[:, None, None, :]
-        batch.lora = self._lora_batch(decodes, prefills, chunks)
+        batch.lora = self._lora_batch(decodes, prefills, chunks, len(ids))
         return t(ids), batch, samplers
 
     def _lora_batch(
-        self, decodes: list[tuple[Sequence, int]], prefills: list[tuple[Sequence, int]], chunks: list[PrefillChunk]
+        self,
+        decodes: list[tuple[Sequence, int]],
+        prefills: list[tuple[Sequence, int]],
+        chunks: list[PrefillChunk],
+        num_tokens: int,
     ) -> LoRABatch | None:
         if self.lora_slots is None or all(s.lora_slot is None for s, _ in decodes + prefills):
             return None
@@ -106,7 +110,9 @@ class ModelRunner:
                 segments[-1] = (segments[-1][0], end, seq.lora_slot)  # merge runs of one adapter
             else:
                 segments.append((start, end, seq.lora_slot))
-        lora = LoRABatch(self.lora_slots, decode_slots, segments, self.device, self.use_triton, self.layer_kernels)
+        lora = LoRABatch(
+            self.lora_slots, decode_slots, segments, self.device, self.use_triton, self.layer_kernels, num_tokens
+        )
         return None if lora.is_empty else lora
 
     @torch.inference_mode()

@@ -1,7 +1,7 @@
 """Builds and loads the CPU kernels (csrc/*.cpp), once per machine: decode and prefill attention
 over the paged KV cache, the linear layers (a weight-streaming path for a few rows, a
 register-tiled GEMM for more), and the fused elementwise parts of
-a decoder layer (RMSNorm with the residual add, rotary, SiLU-and-multiply) and LoRA for decode rows
+a decoder layer (RMSNorm with the residual add, rotary, SiLU-and-multiply) and LoRA for the rows
 of many adapters (BGMV); bf16.
 
 The sources are compiled with torch's extension builder into the user cache
@@ -174,9 +174,12 @@ def bgmv_(
     a: torch.Tensor,
     bt: torch.Tensor,
     slots: torch.Tensor,
-    width: int,
+    proj_rows: torch.Tensor,
+    out_bounds: torch.Tensor,
     skip_slot: int,
 ) -> None:
-    """out[b] += (x[b] a[s]^T) bt[s] with s = slots[b], rank columns [:width]; rows on skip_slot untouched.
-    out [B, N], x [B, K], a [S, W, K], bt [S, W, N], slots [B] int64; bf16."""
-    torch.ops.loraplane.bgmv_(out, x, a, bt, slots, width, skip_slot)
+    """out[b] += (x[b] a[s]^T) bt[s] with s = slots[b], block-diagonal per projection p: rank rows
+    proj_rows[s, p] = (first, count) of a[s] and bt[s], against out columns out_bounds[p]:out_bounds[p+1].
+    Rows on skip_slot untouched. out [B, N], x [B, K], a [S, W, K], bt [S, W, N], slots [B] int64,
+    proj_rows [S, P, 2] int64, out_bounds [P + 1] int64; bf16."""
+    torch.ops.loraplane.bgmv_(out, x, a, bt, slots, proj_rows, out_bounds, skip_slot)

@@ -1,10 +1,12 @@
 """Per-step LoRA compute: every token carries a slot; all adapters in one pass.
 
+CPU kernel (bf16 with the CPU kernels): one call per layer covers every row of the step, decode
+and prefill alike: csrc/lora_cpu.cpp reads each row's slot in place and multiplies only the
+projections' own blocks of the block-diagonal A and B.
 Torch path (CPU), decode tokens: with few distinct adapters among them, the used slots' A and B
 are gathered once and every token multiplies against all of them, its own slot's columns kept by
 a one-hot mask (dense: plain matmuls, small weight traffic); with many, each token gathers its
-own slot's A and B for two batched matmuls (BGMV: weight traffic per token, FLOPs per token); in
-bf16 with the CPU kernels, csrc/lora_cpu.cpp reads each row's slot in place instead of gathering.
+own slot's A and B for two batched matmuls (BGMV: weight traffic per token, FLOPs per token).
 Prefill tokens come in contiguous chunks of one sequence, merged into runs of one slot and
 multiplied per run (segments by adapter). No Python loop over requests.
 Triton path (CUDA, or TRITON_INTERPRET=1): the same segments in one SGMV launch per matmul.
@@ -30,8 +32,10 @@ class LoRABatch:
         device: torch.device,
         use_triton: bool = False,
         cpu_kernel: bool = False,
+        num_tokens: int | None = None,
     ) -> None:
-        """decode_slots: slot per decode row (none_slot for base); segments: (start, end, slot) of prefill rows."""
+        """decode_slots: slot per decode row (none_slot for base); segments: (start, end, slot) of prefill
+        rows; num_tokens: rows in the step (decode rows first), needed by the CPU kernel."""
         self.slots = slots
         self.num_decode = len(decode_slots)
         used = {s for s in decode_slots if s != slots.none_slot} | {s for _, _, s in segments}
@@ -58,7 +62,13 @@ class LoRABatch:
             self.dense = (torch.tensor(decode_used, device=device), onehot)
         self.segments = segments
         self.use_triton = use_triton
-        self.cpu_kernel = cpu_kernel  # bf16 on the CPU: BGMV decode rows through csrc/lora_cpu.cpp
+        self.cpu_kernel = cpu_kernel  # bf16 on the CPU: every row through csrc/lora_cpu.cpp
+        self.row_slots: torch.Tensor | None = None  # [T] slot per row of the step, for the CPU kernel
+        if cpu_kernel and not use_triton and num_tokens is not None:
+            rows = decode_slots + [slots.none_slot] * (num_tokens - len(decode_slots))
+            for start, end, slot in segments:
+                rows[start:end] = [slot] * (end - start)
+            self.row_slots = torch.tensor(rows, dtype=torch.int64)
         if use_triton:
             self._build_triton_segments(decode_slots, device)
 
@@ -74,15 +84,19 @@ class LoRABatch:
         b = self.slots.b[layer.kind][layer.layer_idx]  # [S+1, out, P*R]
         if self.use_triton:
             return self._apply_triton(layer.kind, a, b, x, out)
+        bt = self.slots.bt[layer.kind][layer.layer_idx]  # [S+1, P*R, out]: a slot's B^T rows are contiguous
+        if self.row_slots is not None and x.dtype == torch.bfloat16 and x.shape[0] == self.row_slots.shape[0]:
+            rows = self.slots.rows[layer.kind][layer.layer_idx]  # [S+1, P, 2]
+            cpu_kernels.bgmv_(
+                out, x, a, bt, self.row_slots, rows, self.slots.out_bounds[layer.kind], self.slots.none_slot
+            )
+            return out
         nd = self.num_decode
         w = self.decode_width[layer.kind]
-        bt = self.slots.bt[layer.kind][layer.layer_idx]  # [S+1, P*R, out]: a slot's B^T rows are contiguous
         if self.single is not None and w:
             out[:nd] += (x[:nd] @ a[self.single, :w].T) @ bt[self.single, :w]
         elif self.dense is not None and w:
             self._decode_dense(a, bt, w, x[:nd], out[:nd])
-        elif self.decode_slots is not None and w and self.cpu_kernel and x.dtype == torch.bfloat16:
-            cpu_kernels.bgmv_(out[:nd], x[:nd], a, bt, self.decode_slots, w, self.slots.none_slot)
         elif self.decode_slots is not None and w:
             h = torch.bmm(a[:, :w][self.decode_slots], x[:nd].unsqueeze(-1))  # [Bd, w, 1]
             out[:nd] += torch.bmm(h.transpose(1, 2), bt[:, :w][self.decode_slots]).squeeze(1)  # [Bd, out]

@@ -38,6 +38,17 @@ class LoRASlots:
             # copies contiguous rows; `b` is the [out, width] view of the same memory
             self.bt[kind] = torch.zeros(num_layers, num_slots + 1, width, lin.out_features, dtype=dtype, device=device)
             self.b[kind] = self.bt[kind].transpose(-1, -2)
+        # rows[kind][layer, slot, p] = (first rank row, rows) of projection p (block-diagonal layout);
+        # (0, 0) where the slot's adapter does not target it. The CPU kernel skips the zero blocks.
+        self.rows: dict[str, torch.Tensor] = {
+            kind: torch.zeros(num_layers, num_slots + 1, len(lin.names), 2, dtype=torch.int64)
+            for kind, lin in self.layouts.items()
+        }
+        # out_bounds[kind]: [P + 1] output column boundaries of the projections
+        self.out_bounds: dict[str, torch.Tensor] = {
+            kind: torch.tensor([0, *(lin.slices[name][1] for name in lin.names)], dtype=torch.int64)
+            for kind, lin in self.layouts.items()
+        }
         self.widths: list[dict[str, int]] = [{} for _ in range(num_slots + 1)]  # used columns per kind
         self.adapter_in: list[str | None] = [None] * num_slots
 
@@ -57,6 +68,7 @@ class LoRASlots:
             rank = a.shape[0]
             self.a[kind][layer, slot, p * r : p * r + rank].copy_(a)
             self.b[kind][layer, slot, lo:hi, p * r : p * r + rank].copy_(b)
+            self.rows[kind][layer, slot, p] = torch.tensor([p * r, rank])
             self.widths[slot][kind] = len(self.layouts[kind].names) * r
         self.adapter_in[slot] = weights.adapter_id
 
@@ -64,5 +76,6 @@ class LoRASlots:
         for kind in self.widths[slot]:
             self.a[kind][:, slot].zero_()
             self.b[kind][:, slot].zero_()
+            self.rows[kind][:, slot].zero_()
         self.widths[slot] = {}
         self.adapter_in[slot] = None
