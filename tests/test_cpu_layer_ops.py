@@ -9,6 +9,8 @@ import torch.nn.functional as F
 from loraplane_server.layers import cpu_kernels
 from loraplane_server.layers.norm import RMSNorm
 from loraplane_server.layers.rotary import RotaryEmbedding, apply_rotary
+from loraplane_server.sampler import Sampler
+from loraplane_server.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason=f"kernel did not build: {cpu_kernels.load_error()}")
 BF16_ULP = 2**-7  # relative spacing of bf16 numbers
@@ -68,6 +70,36 @@ def test_silu_mul_matches_fp32(rows: int) -> None:
     assert torch.allclose(out.float(), exact, rtol=BF16_ULP, atol=1e-6)  # one rounding of the fp32 result
 
 
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_argmax_rows_matches_torch(rows: int) -> None:
+    """Ties go to the first index, NaN wins (torch's rule), -0.0 equals 0.0; rows may be strided."""
+    gen = torch.Generator().manual_seed(rows)
+    wide = (torch.randn(rows, 49152 + 8, generator=gen) * 5).to(torch.bfloat16)
+    logits = wide[:, 3 : 3 + 49152]
+    logits[0, 100] = logits[0, 40000] = 50.0  # a tie: the first one
+    if rows > 1:
+        logits[1, 7], logits[1, 9] = float("nan"), float("inf")
+        logits[1, 30000] = float("nan")
+    if rows > 2:
+        logits[2] = -float("inf")
+        logits[3] = 0.0
+        logits[3, 5:] = -0.0
+        logits[4, :10] = 1e30
+    assert torch.equal(cpu_kernels.argmax_rows(logits), logits.float().argmax(dim=-1))
+    assert torch.equal(cpu_kernels.argmax_rows(logits), logits.argmax(dim=-1))
+
+
+def test_greedy_sampler_takes_the_kernel_unless_logprobs_are_asked() -> None:
+    logits = (torch.randn(6, 1000) * 3).to(torch.bfloat16)
+    greedy = [SamplingParams(max_new_tokens=1)] * 6
+    tokens, logprobs = Sampler(kernels=True)(logits, greedy, [None] * 6, [[]] * 6)
+    expected, _ = Sampler()(logits, greedy, [None] * 6, [[]] * 6)
+    assert torch.equal(tokens, expected) and bool(logprobs.isnan().all())
+    asked = [*greedy[:5], SamplingParams(max_new_tokens=1, logprobs=True)]
+    tokens, logprobs = Sampler(kernels=True)(logits, asked, [None] * 6, [[]] * 6)
+    assert torch.equal(tokens, expected) and bool(logprobs[-1].isfinite()) and bool(logprobs[:5].isnan().all())
+
+
 def test_bad_inputs_are_refused() -> None:
     x = torch.randn(4, 64).to(torch.bfloat16)
     w = torch.ones(64, dtype=torch.bfloat16)
@@ -82,3 +114,7 @@ def test_bad_inputs_are_refused() -> None:
     q, k = torch.randn(4, 2, 8).to(torch.bfloat16), torch.randn(4, 1, 8).to(torch.bfloat16)
     with pytest.raises(RuntimeError, match="cos and sin"):
         cpu_kernels.rotary_(q, k, torch.ones(4, 8), torch.ones(4, 8))
+    with pytest.raises(RuntimeError, match="logits"):
+        cpu_kernels.argmax_rows(torch.randn(4, 9))
+    with pytest.raises(RuntimeError, match="int64"):
+        torch.ops.loraplane.argmax_rows_(torch.empty(3, dtype=torch.int64), x)

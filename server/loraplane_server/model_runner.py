@@ -37,7 +37,7 @@ class ModelRunner:
         self.kv_caches = torch.zeros(
             a.num_layers, 2, num_blocks, block_size, a.num_kv_heads, a.head_dim, dtype=dtype, device=device
         )  # [L, 2, N, B, KVH, D]
-        self.sampler = Sampler()
+        self.sampler = Sampler(kernels=layer_kernels)
         self.lora_slots = lora_slots
         self.use_triton = use_triton
         self.decode_attention = decode_attention  # torch | cpu_kernel | triton (layers/attention.py)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from loraplane_server.layers import cpu_kernels
 from loraplane_server.sampling_params import SamplingParams
 
 
@@ -93,6 +94,11 @@ def sample_rows(
 class Sampler:
     """Picks one token per row of logits and returns it with its log-probability."""
 
+    def __init__(self, kernels: bool = False) -> None:
+        """kernels: bf16 logits of an all-greedy step without logprobs go to the CPU argmax kernel
+        (no fp32 copy of the [B, V] logits)."""
+        self.kernels = kernels
+
     def __call__(
         self,
         logits: torch.Tensor,
@@ -101,9 +107,13 @@ class Sampler:
         seen_token_ids: list[list[int]],
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """logits [B, V] -> (token ids [B] int64, logprobs [B] float32 of the chosen tokens, NaN where not asked)."""
+        greedy = all(p.is_greedy and p.repetition_penalty == 1.0 for p in params)
+        if greedy and self.kernels and logits.dtype == torch.bfloat16 and not any(p.logprobs for p in params):
+            nan = torch.full((len(params),), float("nan"), device=logits.device)
+            return cpu_kernels.argmax_rows(logits), nan
         logits = logits.float()
         # greedy fast path
-        if all(p.is_greedy and p.repetition_penalty == 1.0 for p in params):
+        if greedy:
             token_ids = logits.argmax(dim=-1)
             return token_ids, self._logprobs(logits, token_ids, params)
         logits = apply_repetition_penalty(logits, params, seen_token_ids)

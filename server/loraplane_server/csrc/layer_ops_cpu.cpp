@@ -12,6 +12,7 @@
 //       tables transformers uses, fp32 math, one rounding per element (transformers rounds after
 //       each product and after the sum).
 //   silu_mul(out, gate_up): out = silu(gate) * up for gate_up = [gate | up], fp32, one rounding.
+//   argmax_rows_(out, logits): the greedy token of each row of bf16 logits.
 //
 // Rows are spread over torch's intra-op pool only when there are enough of them to pay for it.
 
@@ -26,6 +27,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
 namespace {
 
@@ -159,16 +161,52 @@ void silu_mul_(at::Tensor& out, const at::Tensor& gate_up) {
   });
 }
 
+// out[t] = argmax(logits[t]) for bf16 logits [T, V] -> int64 [T], as torch.argmax on the logits
+// (or on their fp32 copy) returns it: the first index of the largest value, or of the first NaN.
+// Two passes over the row (the max, then its first index); a greedy step no longer widens the
+// whole [T, V] block to fp32 first.
+void argmax_rows_(at::Tensor& out, const at::Tensor& logits) {
+  check_bf16_rows(logits, "logits");
+  TORCH_CHECK(out.scalar_type() == at::kLong && out.dim() == 1 && out.size(0) == logits.size(0) &&
+                  out.is_contiguous(),
+              "out must be a contiguous int64 [T]");
+  const int64_t T = logits.size(0), V = logits.size(1), sl = logits.stride(0);
+  TORCH_CHECK(V > 0, "logits must have at least one column");
+  const uint16_t* lp = bits(logits);
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, T, grain(V), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const uint16_t* row = lp + t * sl;
+      float mx = -std::numeric_limits<float>::infinity();
+      int nan = 0;
+#pragma omp simd reduction(max : mx) reduction(| : nan)
+      for (int64_t j = 0; j < V; ++j) {
+        const float x = bf16_to_float(row[j]);
+        mx = std::max(mx, x);
+        nan |= x != x;
+      }
+      int64_t idx = 0;
+      for (; idx < V; ++idx) {
+        const float x = bf16_to_float(row[idx]);
+        if (nan ? x != x : x == mx) break;
+      }
+      op[t] = idx;
+    }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(loraplane, m) {
   m.def("add_rms_norm_(Tensor(a!) out, Tensor(b!) residual, Tensor? delta, Tensor weight, float eps) -> ()");
   m.def("rotary_(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
   m.def("silu_mul_(Tensor(a!) out, Tensor gate_up) -> ()");
+  m.def("argmax_rows_(Tensor(a!) out, Tensor logits) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(loraplane, CPU, m) {
   m.impl("add_rms_norm_", add_rms_norm_);
   m.impl("rotary_", rotary_);
   m.impl("silu_mul_", silu_mul_);
+  m.impl("argmax_rows_", argmax_rows_);
 }

@@ -96,6 +96,7 @@ def load() -> bool:
                 "add_rms_norm_",
                 "rotary_",
                 "silu_mul_",
+                "argmax_rows_",
                 "bgmv_",
             )
             _state.update(ok=all(hasattr(torch.ops.loraplane, op) for op in ops), error=None)
@@ -146,6 +147,13 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for gate_up = [gate | up] (bf16 [T, 2I]) -> [T, I]."""
     out = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2, dtype=gate_up.dtype, device=gate_up.device)
     torch.ops.loraplane.silu_mul_(out, gate_up)
+    return out
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(logits, dim=-1) for bf16 logits [T, V] (rows may be strided) -> int64 [T]."""
+    out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
+    torch.ops.loraplane.argmax_rows_(out, logits)
     return out
 
 
