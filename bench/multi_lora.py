@@ -18,10 +18,11 @@ b. throughput: 256 requests over 64 adapters (adapter i % 64), prompts 20..200 t
 c. the same workload through our engine with adapters and with adapter_id=None for all (base),
    alternated --repeats times with fresh prompt contents (same lengths) each run; medians.
 
-Run: .venv/bin/python bench/multi_lora.py [--quick] [--out bench/out/multi_lora.json] [--threads 1]
---threads defaults to 1 intra-op thread: on a shared 2-core machine two OpenMP threads spin-wait
-for each other whenever another job holds a core, and one request then takes 10-100x longer
-(measured here under load: 39 s against 0.36 s), for PEFT and for us alike. 0 keeps torch's default.
+Run: .venv/bin/python bench/multi_lora.py [--quick] [--out bench/out/multi_lora.json] [--threads N]
+--threads defaults to 0: torch's default, one intra-op thread per core, so both systems get the
+whole machine. Run it on an otherwise idle machine: OpenMP threads spin-wait for each other, and
+when another job holds a core one request takes 10-100x longer (measured on a loaded 2-core
+machine: 39 s against 0.36 s), for PEFT and for us alike; --threads 1 is the way out there.
 Prints one JSON object, writes it to --out and draws the plot next to it (.png). When a target is
 missed, torch.profiler tables of a few engine steps (workload b; one latency request) go into the JSON.
 PEFT's first static batch also runs with every row on the base model, to show its ceiling here.
@@ -601,7 +602,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a reduced workload for a smoke check (~2 min)")
     parser.add_argument("--peft-max-adapters", type=int, default=None, help="cap on adapters loaded into PEFT")
     parser.add_argument("--repeats", type=int, default=None, help="ours lora/base throughput runs each")
-    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads; 0: torch's default")
+    parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads; 0: torch's default (all cores)")
     args = parser.parse_args()
     if args.threads > 0:
         torch.set_num_threads(args.threads)

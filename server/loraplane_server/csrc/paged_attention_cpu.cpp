@@ -8,9 +8,10 @@
 // Work items are (sequence, kv head) pairs, spread over torch's intra-op thread pool
 // (at::parallel_for), so torch.set_num_threads governs it like any other op. The query heads of
 // one kv group (GQA) share each key/value row while it is in cache. While a thread works through
-// one sequence's kv heads, it prefetches the whole blocks of the sequence it takes next into L2
-// (bf16 kernel): with the cache out of L3 (30 layers, 64 sequences of ~160 tokens, 2 threads),
-// a call went from ~860 to ~640 us; ~275 us when everything sits in cache.
+// one sequence's kv heads, it streams the whole blocks of the sequence it takes next into L2, a
+// few lines per token pair (bf16 kernel, `Trickle`): with the cache out of L3 (30 layers, 64
+// sequences of ~160 tokens in scattered blocks, 2 threads) a call went from ~860 to ~500 us;
+// ~290 us when everything sits in cache. Burst prefetches (a block at a time) got only to ~640.
 //
 // The bf16 kernel updates the softmax once per 128 tokens (scores of a chunk of blocks first,
 // then one max/exp/rescale, then the values), and multiplies the weights by V with vdpbf16ps,
@@ -85,18 +86,44 @@ inline void prefetch_block(const T* k, const T* v, int64_t block_size, int64_t r
   }
 }
 
-// Whole blocks (every kv head's rows) into L2. A work item reads only its own head's 128 bytes of
-// each 384-byte token row, so the hardware prefetchers see a short strided run per scattered
-// block; the items of the next sequence would start on cold lines.
-template <typename T>
-inline void prefetch_rows(const T* k, const T* v, int64_t elems) {
-  const char* kc = reinterpret_cast<const char*>(k);
-  const char* vc = reinterpret_cast<const char*>(v);
-  for (int64_t byte = 0; byte < elems * static_cast<int64_t>(sizeof(T)); byte += 64) {
-    _mm_prefetch(kc + byte, _MM_HINT_T2);
-    _mm_prefetch(vc + byte, _MM_HINT_T2);
+#ifdef LORAPLANE_AVX512_BF16
+// Streams a sequence's whole KV blocks (every kv head's rows, K then V) into L2 a few cache lines
+// per call, so that the next sequence arrives while this one computes. A work item reads only its
+// own head's 128 bytes of each 384-byte token row, so the hardware prefetchers see a short strided
+// run per scattered block. Issued in bursts (a block's 192 lines at a time), the prefetches filled
+// the miss queues and stalled the loads of the block in hand; a trickle does not.
+struct Trickle {
+  const char* k = nullptr;
+  const char* v = nullptr;
+  const int64_t* table = nullptr;
+  int64_t block_bytes = 0, stride_bytes = 0, num_blocks = 0, per_call = 0;
+  int64_t blk = 0, off = 0;  // the cursor: block index, byte offset in K (< block_bytes) then V
+  void start(const void* k_, const void* v_, const int64_t* table_, int64_t num_blocks_, int64_t block_bytes_,
+             int64_t stride_bytes_, int64_t calls) {
+    k = static_cast<const char*>(k_);
+    v = static_cast<const char*>(v_);
+    table = table_;
+    num_blocks = num_blocks_;
+    block_bytes = block_bytes_;
+    stride_bytes = stride_bytes_;
+    const int64_t lines = num_blocks * 2 * ((block_bytes + 63) / 64);
+    per_call = (lines + std::max<int64_t>(1, calls) - 1) / std::max<int64_t>(1, calls);
+    blk = off = 0;
   }
-}
+  void stop() { num_blocks = blk = 0; }
+  inline void step() {
+    for (int64_t i = 0; i < per_call && blk < num_blocks; ++i) {
+      const char* base = (off < block_bytes ? k + off : v + (off - block_bytes)) + table[blk] * stride_bytes;
+      _mm_prefetch(base, _MM_HINT_T1);
+      off += 64;
+      if (off >= 2 * block_bytes) {
+        off = 0;
+        ++blk;
+      }
+    }
+  }
+};
+#endif
 
 inline float dot(const float* a, const float* b, int64_t n) {
   float s = 0.f;
@@ -280,6 +307,7 @@ void decode_kernel_bf16(
     BlockScores<c10::BFloat16, HD> block_scores(G, HD);
     std::vector<float> scores(G * stride);
     std::vector<uint16_t> pbf(G * stride + 16);  // the chunk's softmax weights in bf16
+    Trickle trickle;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item / num_kv_heads, kvh = item % num_kv_heads;
       const int64_t ctx = context_lens[s];
@@ -293,9 +321,13 @@ void decode_kernel_bf16(
         l[g] = 0.f;
       }
       const int64_t num_blocks = (ctx + block_size - 1) / block_size;
-      const bool has_next = (s + 1) * num_kv_heads < end;
-      const int64_t nb_next = has_next ? (context_lens[s + 1] + block_size - 1) / block_size : 0;
-      const int64_t* table_next = block_tables + (s + 1) * table_width;
+      if (kvh == 0 && (s + 1) * num_kv_heads < end) {  // the next sequence, over this one's P V steps
+        trickle.start(k_cache, v_cache, block_tables + (s + 1) * table_width,
+                      (context_lens[s + 1] + block_size - 1) / block_size, block_size * row_stride * 2,
+                      cache_block_stride * 2, num_kv_heads * ((ctx + 1) / 2));
+      } else if (kvh == 0) {
+        trickle.stop();
+      }
       for (int64_t b0 = 0; b0 < num_blocks; b0 += chunk_blocks) {
         const int64_t b1 = std::min(num_blocks, b0 + chunk_blocks);
         int64_t n_chunk = 0;  // tokens in this chunk (only the sequence's last block can be partial)
@@ -304,13 +336,6 @@ void decode_kernel_bf16(
           if (b + 1 < num_blocks) {
             const int64_t next = table[b + 1] * cache_block_stride + kvh * HD;
             prefetch_block(k_cache + next, v_cache + next, block_size, row_stride, HD);
-          }
-          if (has_next) {  // the next sequence's blocks, spread over this sequence's block steps
-            const int64_t step = kvh * num_blocks + b, steps = num_kv_heads * num_blocks;
-            const int64_t j0 = step * nb_next / steps, j1 = (step + 1) * nb_next / steps;
-            for (int64_t j = j0; j < j1; ++j)
-              prefetch_rows(k_cache + table_next[j] * cache_block_stride, v_cache + table_next[j] * cache_block_stride,
-                            block_size * row_stride);
           }
           block_scores(k_cache + table[b] * cache_block_stride + kvh * HD, n, row_stride, scores.data() + n_chunk,
                        stride);
@@ -336,6 +361,7 @@ void decode_kernel_bf16(
           const int64_t n = std::min(block_size, ctx - b * block_size);
           const c10::BFloat16* vb = v_cache + table[b] * cache_block_stride + kvh * HD;
           for (int64_t t = 0; t < n; t += 2) {
+            trickle.step();
             const bool pair = t + 1 < n;
             const c10::BFloat16* r0 = vb + t * row_stride;
             __m512i lo[C2], hi[C2];
