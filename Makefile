@@ -38,6 +38,7 @@ e2e: model
 	$(BIN)/pytest -q e2e
 
 bench: model
+	$(BIN)/pip install -q -e '.[test,bench]'
 	$(BIN)/python bench/engine.py
 	$(BIN)/python bench/multi_lora.py
 	$(BIN)/python bench/http_api.py
