@@ -66,6 +66,34 @@ def test_thread_count_does_not_change_the_result() -> None:
     assert torch.equal(one, many)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_write_kv_matches_index_copy_from_strided_views(dtype: torch.dtype) -> None:
+    """k and v as views into a fused q|k|v output (rows strided), scattered slots in 3 blocks of 4."""
+    from loraplane_server.layers.attention import write_kv
+
+    gen = torch.Generator().manual_seed(11)
+    qkv = torch.randn(9, (4 + 2 + 2) * 16, generator=gen).to(dtype)  # [T, (H + 2 KVH) * D]
+    k, v = qkv[:, 64:96].view(9, 2, 16), qkv[:, 96:].view(9, 2, 16)
+    slots = torch.tensor([5, 0, 11, 6, 7, 1, 9, 10, 2])
+    caches = [torch.randn(3, 4, 2, 16, generator=gen).to(dtype) for _ in range(2)]  # [N, B, KVH, D]
+    expected = [c.clone() for c in caches]
+    write_kv(k, v, *expected, slots)  # index_copy_
+    write_kv(k, v, *caches, slots, kernel=True)
+    assert torch.equal(caches[0], expected[0]) and torch.equal(caches[1], expected[1])
+    assert torch.equal(caches[0].view(12, 2, 16)[slots], k)
+
+
+def test_write_kv_refuses_slots_outside_the_cache() -> None:
+    k = v = torch.zeros(2, 2, 16, dtype=torch.bfloat16)
+    caches = [torch.zeros(3, 4, 2, 16, dtype=torch.bfloat16) for _ in range(2)]
+    for bad in (12, -1):
+        with pytest.raises(RuntimeError, match="outside the cache"):
+            cpu_kernels.write_kv(k, v, *caches, torch.tensor([0, bad]))
+    assert not caches[0].any(), "nothing is written when a slot is refused"
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        cpu_kernels.write_kv(k.float(), v.float(), *caches, torch.tensor([0, 1]))
+
+
 def test_engine_falls_back_to_torch_without_the_kernel(tiny_llama_dir) -> None:
     """Where the kernel cannot be built, auto serves on the torch path and cpu_kernel says why it cannot."""
     import subprocess

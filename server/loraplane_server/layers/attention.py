@@ -17,9 +17,17 @@ from loraplane_server.layers import cpu_kernels, triton_attention
 
 
 def write_kv(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kernel: bool = False,
 ) -> None:
     # k, v: [T, KVH, D]; caches: [N, B, KVH, D]
+    if kernel:  # the CPU kernels: one row copy per token (index_copy_ is slow on the strided k, v views)
+        cpu_kernels.write_kv(k, v, k_cache, v_cache, slot_mapping)
+        return
     k_cache.view(-1, *k.shape[1:]).index_copy_(0, slot_mapping, k)
     v_cache.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v)
 
@@ -34,7 +42,7 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:
     """q: [T, H, D], k/v: [T, KVH, D] for this step's tokens -> [T, H, D]."""
-    write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+    write_kv(k, v, k_cache, v_cache, batch.slot_mapping, batch.layer_kernels)
     out = torch.empty_like(q)
     nd = batch.num_decode_tokens
     if nd and batch.decode_attention != "torch":

@@ -91,6 +91,7 @@ def load() -> bool:
             )
             ops = (
                 "paged_decode_attention_",
+                "write_kv_",
                 "paged_prefill_attention_",
                 "linear_",
                 "add_rms_norm_",
@@ -122,6 +123,13 @@ def paged_decode_attention(
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     torch.ops.loraplane.paged_decode_attention_(out, q, k_cache, v_cache, block_tables, context_lens, scale)
     return out
+
+
+def write_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """k_cache/v_cache [N, B, KVH, D] at flat slot slot_mapping[t] = k[t]/v[t] ([T, KVH, D], rows may be strided)."""
+    torch.ops.loraplane.write_kv_(k_cache, v_cache, k, v, slot_mapping)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
