@@ -41,6 +41,16 @@ def test_strided_query_rows_and_large_scores() -> None:
     torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
 
 
+def test_writes_into_the_given_rows_only() -> None:
+    """out= a slice of the layer's output (decode rows first): filled in place, the other rows untouched."""
+    q, k_cache, v_cache, tables, lens = make_case(4, 9, 3, 64, 16, torch.bfloat16, seed=2)
+    full = torch.full((6, 9, 64), 7.0, dtype=torch.bfloat16)
+    got = cpu_kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125, out=full[:4])
+    assert got.data_ptr() == full.data_ptr()
+    assert torch.equal(full[:4], cpu_kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125))
+    assert (full[4:] == 7.0).all()
+
+
 def test_bad_inputs_are_refused() -> None:
     q, k_cache, v_cache, tables, lens = make_case(3, 4, 2, 16, 4, torch.float32, seed=1)
     with pytest.raises(RuntimeError, match="share a dtype"):

@@ -48,8 +48,10 @@ def paged_attention(
     if nd and batch.decode_attention != "torch":
         assert batch.decode_block_tables is not None and batch.decode_context_lens is not None
         tables, lens = batch.decode_block_tables, batch.decode_context_lens
-        kernel = cpu_kernels if batch.decode_attention == "cpu_kernel" else triton_attention
-        out[:nd] = kernel.paged_decode_attention(q[:nd], k_cache, v_cache, tables, lens, scale)
+        if batch.decode_attention == "cpu_kernel":
+            cpu_kernels.paged_decode_attention(q[:nd], k_cache, v_cache, tables, lens, scale, out=out[:nd])
+        else:
+            out[:nd] = triton_attention.paged_decode_attention(q[:nd], k_cache, v_cache, tables, lens, scale)
     elif nd:
         out[:nd] = _decode(q[:nd], k_cache, v_cache, batch, scale)
     prefill_kernel = batch.decode_attention == "cpu_kernel" and cpu_kernels.prefill_kernel_applies(q)

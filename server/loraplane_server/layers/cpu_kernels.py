@@ -118,9 +118,12 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q: [S, H, D]; caches: [N, B, KVH, D]; block_tables: [S, W]; context_lens: [S] -> [S, H, D]."""
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    """q: [S, H, D]; caches: [N, B, KVH, D]; block_tables: [S, W]; context_lens: [S] -> [S, H, D], written
+    into `out` when given (rows may be strided)."""
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
     torch.ops.loraplane.paged_decode_attention_(out, q, k_cache, v_cache, block_tables, context_lens, scale)
     return out
 
