@@ -89,6 +89,10 @@ def test_parse_relative_local_path_is_absolute(tmp_path, monkeypatch):
         "https://user:pw@host/x.tar.gz",
         "https:///x.tar.gz",
         "file://otherhost/x",
+        "\x00",  # found by the HTTP fuzzer: a NUL made path checks raise ValueError (a 500)
+        "/adapters/a\x00b",
+        "hf://org/re\npo",
+        "https://host/x\x7f.tar.gz",
     ],
 )
 def test_parse_rejects(uri):

@@ -68,6 +68,8 @@ def parse_source(uri: str) -> AdapterSource:
     uri = uri.strip()
     if not uri:
         raise AdapterSourceError("empty adapter source")
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in uri):  # no path or URL holds them; a NUL breaks every syscall
+        raise AdapterSourceError(f"adapter source {uri!r} contains control characters")
     scheme = uri.split("://", 1)[0].lower() if "://" in uri else ""
     if scheme in ("", "file"):
         return _parse_local(uri)
