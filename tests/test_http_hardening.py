@@ -132,6 +132,28 @@ def test_over_long_prompt_gets_400_with_the_limits(server: ServerProcess) -> Non
 
 
 @pytest.mark.parametrize(
+    ("path", "body", "code"),
+    [  # cases the fuzzer found answering 500 (a ValueError, an OverflowError)
+        ("/v1/completions", {"model": "smollm2-135m", "prompt": [-1], "max_tokens": 4}, "invalid_token_id"),
+        (
+            "/v1/completions",
+            {"model": "smollm2-135m", "prompt": [[1, 2], [10**9]], "max_tokens": 4},
+            "invalid_token_id",
+        ),
+        ("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "\x00"}, "invalid_adapter_source"),
+        ("/v1/adapters", {"id": "x", "source": "/tmp/a\x00b"}, "invalid_adapter_source"),
+    ],
+)
+def test_hostile_values_get_400_and_the_server_keeps_serving(
+    server: ServerProcess, path: str, body: dict, code: str
+) -> None:
+    r = httpx.post(f"{server.url}{path}", json=body, headers=admin_headers(), timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == code
+    assert generate(server.url, max_new_tokens=2).status_code == 200
+
+
+@pytest.mark.parametrize(
     ("path", "body", "field"),
     [
         ("/generate", {"inputs": PROMPT, "parameters": {"temperature": -1}}, "parameters.temperature"),

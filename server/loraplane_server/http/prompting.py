@@ -11,6 +11,18 @@ def encode(state: ServerState, text: str) -> list[int]:
     return engine.tokenizer.encode(text, add_special_tokens=False)
 
 
+def check_token_ids(state: ServerState, token_ids: list[int], param: str) -> list[int]:
+    """A token-id prompt, 400 unless every id is in the model's vocabulary (checked before anything decodes it)."""
+    engine, _ = state.require_engine()
+    vocab = engine.runner.model.args.vocab_size
+    bad = next((t for t in token_ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise ApiError(
+            400, f"prompt token id {bad} is outside the vocabulary [0, {vocab})", param=param, code="invalid_token_id"
+        )
+    return token_ids
+
+
 def decode(state: ServerState, token_ids: list[int]) -> str:
     engine, _ = state.require_engine()
     return engine.decode(token_ids)

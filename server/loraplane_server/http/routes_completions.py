@@ -26,7 +26,7 @@ from loraplane_server.http.openai_common import (
     token_strings,
     usage,
 )
-from loraplane_server.http.prompting import check_budget, decode, encode
+from loraplane_server.http.prompting import check_budget, check_token_ids, decode, encode
 from loraplane_server.http.protocol_openai import CompletionRequest
 from loraplane_server.http.sampling import unsupported
 from loraplane_server.http.sse import SSEResponse
@@ -86,11 +86,11 @@ def _prompts(state: ServerState, body: CompletionRequest) -> tuple[list[str], li
         raise ApiError(400, "the prompt is empty", param="prompt", code="empty_prompt")
     ints = [x for x in p if isinstance(x, int)]
     if len(ints) == len(p):
-        return [decode(state, ints)], [ints]
+        return [decode(state, check_token_ids(state, ints, "prompt"))], [ints]
     texts = [x for x in p if isinstance(x, str)]
     if len(texts) == len(p):
         return texts, [encode(state, x) for x in texts]
-    batch = [x for x in p if isinstance(x, list)]
+    batch = [check_token_ids(state, x, "prompt") for x in p if isinstance(x, list)]
     return [decode(state, x) for x in batch], batch
 
 
