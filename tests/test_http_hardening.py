@@ -142,6 +142,7 @@ def test_over_long_prompt_gets_400_with_the_limits(server: ServerProcess) -> Non
         ),
         ("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "\x00"}, "invalid_adapter_source"),
         ("/v1/adapters", {"id": "x", "source": "/tmp/a\x00b"}, "invalid_adapter_source"),
+        ("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "~0"}, "invalid_adapter_source"),
     ],
 )
 def test_hostile_values_get_400_and_the_server_keeps_serving(

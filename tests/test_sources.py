@@ -93,6 +93,7 @@ def test_parse_relative_local_path_is_absolute(tmp_path, monkeypatch):
         "/adapters/a\x00b",
         "hf://org/re\npo",
         "https://host/x\x7f.tar.gz",
+        "~no-such-user-here/adapter",  # found by the fuzzer: expanduser raised RuntimeError (a 500)
     ],
 )
 def test_parse_rejects(uri):

@@ -91,7 +91,10 @@ def _parse_local(uri: str) -> AdapterSource:
         if parts.netloc not in ("", "localhost"):
             raise AdapterSourceError(f"file:// URI {uri!r} names a remote host; use file:///absolute/path")
         uri = unquote(parts.path)
-    path = Path(uri).expanduser().absolute()
+    try:
+        path = Path(uri).expanduser().absolute()
+    except RuntimeError as exc:  # ~user of a user this system does not have
+        raise AdapterSourceError(f"adapter source {uri!r}: {exc}") from exc
     return AdapterSource(kind="local", uri=str(path), path=path)
 
 
