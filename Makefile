@@ -43,6 +43,7 @@ bench: model
 	$(BIN)/python bench/multi_lora.py
 	$(BIN)/python bench/http_api.py
 	$(BIN)/python bench/linear.py
+	$(BIN)/python bench/attention.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
