@@ -27,10 +27,19 @@ def prefill(bm: BlockManager, seq: Sequence) -> list[int]:
 
 
 def take_one(bm: BlockManager, token: int) -> Sequence:
-    """A one-token sequence: takes exactly one block off the head of the free list."""
-    seq = make_seq([token])
+    """A one-token sequence that will not grow past its block: takes exactly the free list's head."""
+    seq = Sequence("r", [token], SamplingParams(max_new_tokens=1))
     bm.allocate(seq, 1)
+    assert seq.seq_id not in bm.seq_room
     return seq
+
+
+def grow(bm: BlockManager, seq: Sequence, tokens: int) -> None:
+    """Decode `tokens` more tokens into seq, one at a time, as the engine does."""
+    for _ in range(tokens):
+        seq.num_computed_tokens = len(seq)
+        bm.allocate(seq, 1)
+        seq.append_token(0)
 
 
 def check_consistent(bm: BlockManager, live: list[Sequence]) -> None:
@@ -39,7 +48,11 @@ def check_consistent(bm: BlockManager, live: list[Sequence]) -> None:
         for block_id in seq.block_table:
             refs[block_id] += 1
     assert [b.ref_count for b in bm.blocks] == refs
-    assert set(bm.free) == {i for i, r in enumerate(refs) if r == 0}
+    assert not set(bm.free) & set(bm.room)
+    assert set(bm.free) | set(bm.room) == {i for i, r in enumerate(refs) if r == 0}
+    assert bm.num_free_blocks == refs.count(0)
+    claimed = [(b, owner) for owner, room in bm.seq_room.items() for b in room]
+    assert sorted(claimed) == sorted(bm.room.items()) and all(bm.seq_room.values())
 
 
 A = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]  # two full blocks and a partial one
@@ -269,3 +282,97 @@ def test_prefix_caching_disabled_finds_nothing() -> None:
     prefill(bm, make_seq(A))
     assert bm.find_cached_blocks(make_seq(A)) == []
     assert all(b.block_hash is None for b in bm.blocks)
+
+
+# placement: a sequence's blocks stay next to each other
+
+
+def test_prompt_and_growth_blocks_are_consecutive_and_room_is_free() -> None:
+    bm = BlockManager(32, BS)
+    a = Sequence("r", A, SamplingParams(max_new_tokens=10))  # 20 tokens in all: 5 blocks
+    bm.allocate(a, len(a))
+    assert a.block_table == [0, 1, 2]
+    assert bm.seq_room[a.seq_id] == [3, 4]  # claimed for its growth, still free
+    assert bm.num_free_blocks == 29
+    b = Sequence("r", A, SamplingParams(max_new_tokens=100))  # wants more than ROOM_BLOCKS
+    bm.allocate(b, len(b))
+    assert b.block_table == [5, 6, 7] and bm.seq_room[b.seq_id] == list(range(8, 8 + bm.ROOM_BLOCKS))
+    check_consistent(bm, [a, b])
+
+    grow(bm, a, 10)
+    assert a.block_table == [0, 1, 2, 3, 4] and a.seq_id not in bm.seq_room
+    grow(bm, b, 40)  # past its room: it goes on along its run and claims more
+    assert b.block_table == list(range(5, 18)) and bm.seq_room[b.seq_id] == list(range(18, 26))
+    check_consistent(bm, [a, b])
+
+    bm.free_seq(b)  # its room goes back to the head of the free list
+    assert b.seq_id not in bm.seq_room and list(bm.free)[:8] == list(range(18, 26))
+    bm.free_seq(a)
+    assert bm.num_free_blocks == 32
+    check_consistent(bm, [])
+
+
+def test_a_freed_run_is_reused_as_a_run() -> None:
+    bm = BlockManager(8, BS)
+    a = Sequence("r", list(range(20)), SamplingParams(max_new_tokens=1))  # 5 blocks, no room
+    prefill(bm, a)
+    filler = Sequence("r", list(range(100, 112)), SamplingParams(max_new_tokens=1))
+    prefill(bm, filler)  # the other 3 blocks
+    assert a.block_table == [0, 1, 2, 3, 4] and bm.num_free_blocks == 0
+    bm.free_seq(a)  # tail first: 4, 3, 2, 1, 0
+    b = Sequence("r", list(range(200, 212)), SamplingParams(max_new_tokens=4))  # 3 blocks + 1 to grow
+    bm.allocate(b, len(b))
+    assert b.block_table == [4, 3, 2]  # the head of the free list, then downwards along a's run
+    assert bm.seq_room[b.seq_id] == [1]
+    grow(bm, b, 4)
+    assert b.block_table == [4, 3, 2, 1]
+    assert bm.find_cached_blocks(make_seq(list(range(20)))) == [0]  # a's first block, untouched
+    check_consistent(bm, [filler, b])
+
+
+def test_a_freshly_cached_neighbour_keeps_its_place_in_the_eviction_order() -> None:
+    bm = BlockManager(64, BS)
+    bm.ROOM_BLOCKS = 2
+    s = Sequence("r", [90, 91, 92], SamplingParams(max_new_tokens=20))
+    bm.allocate(s, len(s))
+    assert s.block_table == [0] and bm.seq_room[s.seq_id] == [1, 2]
+    f = Sequence("r", A[:8], SamplingParams(max_new_tokens=1))
+    prefill(bm, f)
+    assert f.block_table == [3, 4]
+    bm.free_seq(f)  # 3 and 4: cached, and the most recently freed of the free list
+    grow(bm, s, 10)  # through its room; then its neighbour 3 is free but fresh: a new run at the head
+    assert s.block_table == [0, 1, 2, 5] and bm.seq_room[s.seq_id] == [6, 7]
+    assert bm.find_cached_blocks(make_seq(A[:9])) == [3, 4]
+    check_consistent(bm, [s])
+
+
+def test_a_prefix_hit_revives_blocks_out_of_a_room() -> None:
+    bm = BlockManager(8, BS)
+    a = Sequence("r", A, SamplingParams(max_new_tokens=1))  # 3 blocks, no room
+    prefill(bm, a)
+    bm.free_seq(a)  # free list: 3 4 5 6 7, then a's 2 1 0
+    others = [take_one(bm, 500 + i) for i in range(5)]
+    b = Sequence("r", [1], SamplingParams(max_new_tokens=20))
+    bm.allocate(b, 1)  # a's partial tail, then a's cached blocks as room: they are next in line anyway
+    assert b.block_table == [2] and bm.seq_room[b.seq_id] == [1, 0]
+    bm.free_seq(others[0])
+    hit = make_seq(A[:8] + [99])
+    assert prefill(bm, hit) == [0, 1]  # revived out of b's room, contents intact
+    assert b.seq_id not in bm.seq_room and hit.block_table == [0, 1, 3]
+    check_consistent(bm, [b, hit, *others[1:]])
+
+
+def test_room_goes_to_whoever_needs_a_block_once_the_free_list_is_empty() -> None:
+    bm = BlockManager(4, BS)
+    c = Sequence("r", [7], SamplingParams(max_new_tokens=20))
+    bm.allocate(c, 1)
+    assert c.block_table == [0] and bm.seq_room[c.seq_id] == [1, 2, 3] and not bm.free
+    assert bm.num_free_blocks == 3
+    d = Sequence("r", [8] * 8, SamplingParams(max_new_tokens=1))
+    assert bm.can_allocate(d, 8)
+    bm.allocate(d, 8)  # two of c's room
+    assert len(d.block_table) == 2 and bm.seq_room[c.seq_id] == [3]
+    grow(bm, c, 4)
+    assert c.block_table == [0, 3] and bm.num_free_blocks == 0
+    assert not bm.can_allocate(Sequence("r", [9], SamplingParams(max_new_tokens=1)), 1)
+    check_consistent(bm, [c, d])

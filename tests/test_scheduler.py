@@ -114,7 +114,8 @@ class Sim:
         for seq in sched.waiting:
             assert seq.status == SequenceStatus.WAITING and seq.block_table == [] and seq.lora_slot is None
         assert [b.ref_count for b in bm.blocks] == refs
-        assert set(bm.free) == {i for i, r in enumerate(refs) if r == 0}
+        assert set(bm.free) | set(bm.room) == {i for i, r in enumerate(refs) if r == 0}
+        assert all(owner in {s.seq_id for s in sched.running} for owner in bm.seq_room)  # room dies with its seq
         assert slots.refs == slot_refs
         # FCFS within an adapter: its running ones arrived before its waiting ones, all in arrival order
         for key in {s.adapter_id for s in sched.running} | set(sched.queues):
