@@ -16,6 +16,7 @@ import torch
 from loraplane_server.block_manager import BlockManager
 from loraplane_server.builtin import cache_root, resolve_model
 from loraplane_server.config import EngineConfig
+from loraplane_server.detokenizer import IncrementalText
 from loraplane_server.layers import cpu_kernels, triton_attention
 from loraplane_server.lora.disk_cache import DiskCache
 from loraplane_server.lora.manager import AdapterManager
@@ -112,6 +113,7 @@ class LLMEngine:
         self.eos_token_ids = _eos_ids(self.model_dir, hf_config)
         self.requests: dict[str, Sequence] = {}
         self._texts: dict[str, str] = {}
+        self._detok: dict[str, IncrementalText] = {}
         self._aborted: list[RequestOutput] = []
         self._counter = itertools.count()
         self.num_steps = 0
@@ -139,6 +141,7 @@ class LLMEngine:
         seq = Sequence(request_id, ids, params, adapter_id)
         self.requests[request_id] = seq
         self._texts[request_id] = ""
+        self._detok[request_id] = IncrementalText()
         self.runner.generators[seq.seq_id] = make_generator(params.seed, self.device)
         self.scheduler.add(seq)
         return request_id
@@ -211,7 +214,7 @@ class LLMEngine:
 
     def _check_finish(self, seq: Sequence, token: int) -> FinishReason | None:
         p = seq.params
-        text = self.decode(seq.output_token_ids)
+        text = self._detok[seq.request_id].update(self.decode, seq.output_token_ids)
         self._texts[seq.request_id] = text
         if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
             return FinishReason.STOP
@@ -247,6 +250,7 @@ class LLMEngine:
     def _release(self, seq: Sequence) -> None:
         self.requests.pop(seq.request_id, None)
         self._texts.pop(seq.request_id, None)
+        self._detok.pop(seq.request_id, None)
         self._errors.pop(seq.request_id, None)
         self.runner.generators.pop(seq.seq_id, None)
 
