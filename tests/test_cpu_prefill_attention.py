@@ -53,6 +53,10 @@ def reference(
         (33, 200, 8, 1, 64, 4),  # long context, 8 heads per kv head, small blocks
         (19, 5, 6, 2, 64, 1),  # block size 1 (keys of one tile span blocks)
         (70, 30, 6, 3, 128, 8),
+        (50, 20, 8, 4, 128, 16),  # heads in register blocks of 2 (head_dim 128)
+        (41, 0, 4, 2, 64, 16),  # blocks of 2 (head_dim 64)
+        (29, 70, 12, 3, 64, 16),  # blocks of 4
+        (23, 3, 5, 1, 64, 16),  # 5 heads per kv head: blocks of 1
     ],
 )
 def test_matches_fp32_causal_attention(

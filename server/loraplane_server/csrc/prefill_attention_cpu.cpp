@@ -15,7 +15,9 @@
 // The chunk's own keys and values are read from the cache, where they were written before the
 // call, so a chunk with cached context (a prefix-cache hit, a later chunk of a long prompt) and a
 // fresh prompt take the same path. Work items are (kv head, tile of 32 queries), spread over
-// torch's intra-op pool; the query heads of one kv group share each key tile.
+// torch's intra-op pool; the query heads of one kv group share each key tile, and a query
+// position's heads go through it together, up to 4 at a time (`rows_step`), so that each key
+// vector and value pair is loaded once for all of them, not once per head.
 //
 // Registered as torch.ops.loraplane.paged_prefill_attention_ (in place on `out`); shapes the
 // kernel does not cover (other dtypes, head_dim not 64/128, a build without AVX512-BF16) are
@@ -60,13 +62,98 @@ inline __m512 exp_nonpositive(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-template <int64_t HD>
+// One query position's `group` heads (rows r0 .. r0 + group - 1 of the work item) against one key
+// tile, GB heads at a time: each key vector and each pair of value rows is loaded once for GB rows
+// (one row at a time, every vdpbf16ps waited on a load of its own). VV: score vectors in use.
+template <int64_t HD, int64_t GB, int64_t VV>
+inline void rows_step(int64_t r0, int64_t group, int64_t visible, const uint32_t* qbuf, const __m512i* kt,
+                      const __m512i* vp, float* acc, float* m, float* l, float scale) {
+  constexpr int64_t P = HD / 2, C2 = HD / 32, C = HD / 16;
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m512 scale_v = _mm512_set1_ps(scale);
+  const int64_t pairs = (visible + 1) / 2;
+  for (int64_t g0 = 0; g0 < group; g0 += GB) {
+    const int64_t r = r0 + g0;
+    __m512 s[VV][GB];
+#pragma GCC unroll 4
+    for (int64_t v = 0; v < VV; ++v)
+#pragma GCC unroll 8
+      for (int64_t g = 0; g < GB; ++g) s[v][g] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < P; ++p) {
+      __m512bh qb[GB];
+#pragma GCC unroll 8
+      for (int64_t g = 0; g < GB; ++g)
+        qb[g] = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(qbuf[(r + g) * P + p]));
+#pragma GCC unroll 4
+      for (int64_t v = 0; v < VV; ++v) {
+        const __m512bh k = (__m512bh)kt[v * P + p];
+#pragma GCC unroll 8
+        for (int64_t g = 0; g < GB; ++g) s[v][g] = _mm512_dpbf16_ps(s[v][g], k, qb[g]);
+      }
+    }
+    alignas(64) uint32_t pbits[GB][kKeys / 2];
+    float corr[GB];
+#pragma GCC unroll 8
+    for (int64_t g = 0; g < GB; ++g) {
+      __m512 smax = neg_inf;
+#pragma GCC unroll 4
+      for (int64_t v = 0; v < VV; ++v) {
+        const int64_t left = std::min<int64_t>(16, visible - 16 * v);
+        const __mmask16 valid = left > 0 ? static_cast<__mmask16>((1u << left) - 1u) : 0;
+        s[v][g] = _mm512_mask_blend_ps(valid, neg_inf, _mm512_mul_ps(s[v][g], scale_v));
+        smax = _mm512_max_ps(smax, s[v][g]);
+      }
+      const float mx = std::max(m[r + g], _mm512_reduce_max_ps(smax));
+      corr[g] = std::exp(m[r + g] - mx);  // 0 on the first tile (m = -inf)
+      const __m512 mxv = _mm512_set1_ps(mx);
+      __m512 psum = _mm512_setzero_ps();
+#pragma GCC unroll 4
+      for (int64_t v = 0; v < VV; ++v) {
+        const __mmask16 seen = _mm512_cmp_ps_mask(s[v][g], neg_inf, _CMP_NEQ_OQ);  // masked keys weigh exactly 0
+        const __m512 pr = _mm512_maskz_mov_ps(seen, exp_nonpositive(_mm512_sub_ps(s[v][g], mxv)));
+        psum = _mm512_add_ps(psum, pr);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(pbits[g] + 8 * v), (__m256i)_mm512_cvtneps_pbh(pr));
+      }
+      l[r + g] = l[r + g] * corr[g] + _mm512_reduce_add_ps(psum);
+      m[r + g] = mx;
+    }
+    __m512 a[GB][C];
+#pragma GCC unroll 8
+    for (int64_t g = 0; g < GB; ++g) {
+      const __m512 cv = _mm512_set1_ps(corr[g]);
+#pragma GCC unroll 8
+      for (int64_t c = 0; c < C; ++c) a[g][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + (r + g) * HD + c * 16), cv);
+    }
+    for (int64_t tp = 0; tp < pairs; ++tp) {
+      __m512bh vlo[C2], vhi[C2];
+#pragma GCC unroll 4
+      for (int64_t c = 0; c < C2; ++c) {
+        vlo[c] = (__m512bh)vp[(tp * C2 + c) * 2];
+        vhi[c] = (__m512bh)vp[(tp * C2 + c) * 2 + 1];
+      }
+#pragma GCC unroll 8
+      for (int64_t g = 0; g < GB; ++g) {
+        const __m512bh pp = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(pbits[g][tp]));
+#pragma GCC unroll 4
+        for (int64_t c = 0; c < C2; ++c) {
+          a[g][2 * c] = _mm512_dpbf16_ps(a[g][2 * c], vlo[c], pp);
+          a[g][2 * c + 1] = _mm512_dpbf16_ps(a[g][2 * c + 1], vhi[c], pp);
+        }
+      }
+    }
+#pragma GCC unroll 8
+    for (int64_t g = 0; g < GB; ++g)
+#pragma GCC unroll 8
+      for (int64_t c = 0; c < C; ++c) _mm512_storeu_ps(acc + (r + g) * HD + c * 16, a[g][c]);
+  }
+}
+
+template <int64_t HD, int64_t GB>
 void prefill_kernel(BF* out, int64_t out_stride, const BF* q, int64_t q_stride, const BF* k_cache, const BF* v_cache,
                     int64_t cache_block_stride, int64_t block_size, int64_t num_kv_heads, int64_t group,
                     const int64_t* table, int64_t n, int64_t ctx, float scale) {
   constexpr int64_t P = HD / 2;   // dim pairs: key-side vectors per key tile
   constexpr int64_t C2 = HD / 32; // 32-wide bf16 chunks of a value row
-  constexpr int64_t C = HD / 16;  // fp32 accumulator vectors per query row
   const int64_t row_stride = num_kv_heads * HD;
   const int64_t tiles = (n + kQueryTile - 1) / kQueryTile;
   at::parallel_for(0, num_kv_heads * tiles, 1, [&](int64_t begin, int64_t end) {
@@ -110,49 +197,16 @@ void prefill_kernel(BF* out, int64_t out_stride, const BF* q, int64_t q_stride, 
             vp[(tp * C2 + c) * 2] = _mm512_unpacklo_epi16(a, b);
             vp[(tp * C2 + c) * 2 + 1] = _mm512_unpackhi_epi16(a, b);
           }
-        const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-        for (int64_t r = 0; r < rows; ++r) {
-          const int64_t i = i0 + r / group;
+        for (int64_t i = i0; i < i1; ++i) {
           const int64_t visible = std::min<int64_t>(nk, ctx + i + 1 - j0);  // keys of this tile query i sees
           if (visible <= 0) continue;
-          const uint32_t* qr = qbuf.data() + r * P;
-          const int64_t vv = (visible + 15) / 16;
-          __m512 s[kKeys / 16];
-          __m512 smax = neg_inf;
-          for (int64_t v = 0; v < vv; ++v) {
-            __m512 sv = _mm512_setzero_ps();
-            for (int64_t p = 0; p < P; ++p)
-              sv = _mm512_dpbf16_ps(sv, (__m512bh)kt[v * P + p], (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(qr[p])));
-            const int64_t left = std::min<int64_t>(16, visible - 16 * v);
-            const __mmask16 valid = static_cast<__mmask16>((1u << left) - 1u);
-            s[v] = _mm512_mask_blend_ps(valid, neg_inf, _mm512_mul_ps(sv, _mm512_set1_ps(scale)));
-            smax = _mm512_max_ps(smax, s[v]);
+          const int64_t r0 = (i - i0) * group;
+          switch ((visible + 15) / 16) {
+            case 1: rows_step<HD, GB, 1>(r0, group, visible, qbuf.data(), kt, vp, acc.data(), m.data(), l.data(), scale); break;
+            case 2: rows_step<HD, GB, 2>(r0, group, visible, qbuf.data(), kt, vp, acc.data(), m.data(), l.data(), scale); break;
+            case 3: rows_step<HD, GB, 3>(r0, group, visible, qbuf.data(), kt, vp, acc.data(), m.data(), l.data(), scale); break;
+            default: rows_step<HD, GB, 4>(r0, group, visible, qbuf.data(), kt, vp, acc.data(), m.data(), l.data(), scale); break;
           }
-          const float mx = std::max(m[r], _mm512_reduce_max_ps(smax));
-          const float corr = std::exp(m[r] - mx);  // 0 on the first tile (m = -inf)
-          const __m512 mxv = _mm512_set1_ps(mx);
-          __m512 psum = _mm512_setzero_ps();
-          alignas(64) uint32_t pbits[kKeys / 2];
-          for (int64_t v = 0; v < vv; ++v) {
-            const __mmask16 seen = _mm512_cmp_ps_mask(s[v], neg_inf, _CMP_NEQ_OQ);  // masked keys weigh exactly 0
-            const __m512 pr = _mm512_maskz_mov_ps(seen, exp_nonpositive(_mm512_sub_ps(s[v], mxv)));
-            psum = _mm512_add_ps(psum, pr);
-            _mm256_store_si256(reinterpret_cast<__m256i*>(pbits + 8 * v), (__m256i)_mm512_cvtneps_pbh(pr));
-          }
-          l[r] = l[r] * corr + _mm512_reduce_add_ps(psum);
-          m[r] = mx;
-          float* ar = acc.data() + r * HD;
-          __m512 a[C];
-          const __m512 cv = _mm512_set1_ps(corr);
-          for (int64_t c = 0; c < C; ++c) a[c] = _mm512_mul_ps(_mm512_loadu_ps(ar + c * 16), cv);
-          for (int64_t tp = 0; tp < (visible + 1) / 2; ++tp) {
-            const __m512bh pp = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(pbits[tp]));
-            for (int64_t c = 0; c < C2; ++c) {
-              a[2 * c] = _mm512_dpbf16_ps(a[2 * c], (__m512bh)vp[(tp * C2 + c) * 2], pp);
-              a[2 * c + 1] = _mm512_dpbf16_ps(a[2 * c + 1], (__m512bh)vp[(tp * C2 + c) * 2 + 1], pp);
-            }
-          }
-          for (int64_t c = 0; c < C; ++c) _mm512_storeu_ps(ar + c * 16, a[c]);
         }
       }
       for (int64_t r = 0; r < rows; ++r) {
@@ -203,10 +257,24 @@ void paged_prefill_attention_(at::Tensor& out, const at::Tensor& q, const at::Te
            v_cache.data_ptr<BF>(), k_cache.stride(0), block_size, kv_heads, heads / kv_heads,
            block_table.data_ptr<int64_t>(), n, ctx, static_cast<float>(scale));
   };
+  // heads per register block: the largest that divides the group with GB x head_dim/16 accumulators <= 16
+  const int64_t group = heads / kv_heads;
   if (D == 64) {
-    run(prefill_kernel<64>);
+    if (group % 4 == 0) {
+      run(prefill_kernel<64, 4>);
+    } else if (group % 3 == 0) {
+      run(prefill_kernel<64, 3>);
+    } else if (group % 2 == 0) {
+      run(prefill_kernel<64, 2>);
+    } else {
+      run(prefill_kernel<64, 1>);
+    }
   } else {
-    run(prefill_kernel<128>);
+    if (group % 2 == 0) {
+      run(prefill_kernel<128, 2>);
+    } else {
+      run(prefill_kernel<128, 1>);
+    }
   }
 #else
   TORCH_CHECK(false, "paged_prefill_attention_: built without AVX512-BF16");
