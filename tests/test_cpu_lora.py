@@ -85,6 +85,50 @@ def test_bgmv_matches_fp32(k: int, bounds: list[int], rank: int) -> None:
     cpu_kernels.bgmv_(again, x, a, bt, slots, proj_rows, torch.tensor(bounds), 5)
     assert torch.equal(again, out)
 
+    # the packed layout (lora/slots.py with the CPU kernels): the same products, bit for bit
+    packed, proj = pack(a, bt, proj_rows, bounds, filler=1e4)
+    once_more = base.clone()
+    cpu_kernels.bgmv_packed_(once_more, x, packed, slots, proj, torch.tensor(bounds), 5)
+    assert torch.equal(once_more, out)
+
+
+def pack(
+    a: torch.Tensor, bt: torch.Tensor, proj_rows: torch.Tensor, bounds: list[int], filler: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The dense slots' used blocks as slots.py packs them: per slot, A_p then B_p^T for each targeted p,
+    in a run padded with `filler` (never read)."""
+    total, num_p, k = a.shape[0], len(bounds) - 1, a.shape[-1]
+    cap = sum(a.shape[1] * (k + bounds[p + 1] - bounds[p]) for p in range(num_p)) + 7
+    packed = torch.full((total, cap), filler, dtype=torch.bfloat16)
+    proj = torch.zeros(total, num_p, 2, dtype=torch.int64)
+    for s in range(total):
+        offset = 3  # not at the start of the run
+        for p in range(num_p):
+            r0, nr = proj_rows[s, p].tolist()
+            if nr == 0:
+                continue
+            block_a = a[s, r0 : r0 + nr].reshape(-1)
+            block_b = bt[s, r0 : r0 + nr, bounds[p] : bounds[p + 1]].reshape(-1)
+            packed[s, offset : offset + block_a.numel()] = block_a
+            packed[s, offset + block_a.numel() : offset + block_a.numel() + block_b.numel()] = block_b
+            proj[s, p] = torch.tensor([offset, nr])
+            offset += block_a.numel() + block_b.numel()
+    return packed, proj
+
+
+def test_bgmv_packed_refuses_runs_outside_the_slot() -> None:
+    packed = torch.zeros(3, 40, dtype=torch.bfloat16)
+    x, out = torch.zeros(2, 8, dtype=torch.bfloat16), torch.zeros(2, 6, dtype=torch.bfloat16)
+    proj, bounds = torch.zeros(3, 2, 2, dtype=torch.int64), torch.tensor([0, 4, 6])
+    proj[1, 0] = torch.tensor([0, 3])  # 3 x (8 + 4) = 36 elements: fits
+    cpu_kernels.bgmv_packed_(out, x, packed, torch.tensor([0, 1]), proj, bounds, 2)
+    proj[1, 1] = torch.tensor([36, 1])  # 36 + 8 + 2 = 46 > 40
+    with pytest.raises(RuntimeError, match="outside the slot"):
+        cpu_kernels.bgmv_packed_(out, x, packed, torch.tensor([0, 1]), proj, bounds, 2)
+    proj[1, 1] = 0
+    with pytest.raises(RuntimeError, match="out of range"):
+        cpu_kernels.bgmv_packed_(out, x, packed, torch.tensor([0, 3]), proj, bounds, 2)
+
 
 def test_bgmv_refuses_bad_slots_and_shapes() -> None:
     a, bt = torch.zeros(3, 4, 8, dtype=torch.bfloat16), torch.zeros(3, 4, 6, dtype=torch.bfloat16)

@@ -92,10 +92,11 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, self.slots, self.adapters.is_ready
         )
-        lora_slots = LoRASlots(model, config.max_loras, config.max_lora_rank, self.dtype, self.device)
         use_triton = config.lora_backend == "triton" or (config.lora_backend == "auto" and self.device.type == "cuda")
         self.attention_backend = _attention_backend(config.attention_backend, self.device)
         self.layer_backend = _layer_backend(config.layer_backend, self.device, self.dtype)
+        packed = self.layer_backend == "cpu_kernel" and not use_triton  # the CPU LoRA kernel's layout
+        lora_slots = LoRASlots(model, config.max_loras, config.max_lora_rank, self.dtype, self.device, packed)
         self.runner = ModelRunner(
             model,
             num_blocks,

@@ -150,12 +150,88 @@ void bgmv_(at::Tensor& out, const at::Tensor& x, const at::Tensor& a, const at::
 #endif
 }
 
+// The same product over the packed layout (lora/slots.py, CPU kernels on): slot s is one run of
+// `packed[s]` holding, for each projection p it targets, A_p [rank_p, K] and then B_p^T
+// [rank_p, width_p], back to back; proj[s, p] = (element offset of A_p, rank_p). A decode row's
+// adapter is then one contiguous read (~30 KB for q and v at rank 8) instead of the dense layout's
+// 18 runs of 0.4-9 KB, and random reads of 32 KB run at ~25 GB/s here against ~12-15 for 1-4 KB.
+void bgmv_packed_(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& slots,
+                  const at::Tensor& proj, const at::Tensor& out_bounds, int64_t skip_slot) {
+  TORCH_CHECK(out.device().is_cpu(), "bgmv_packed_: CPU tensors only");
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&out, &x, &packed})
+    TORCH_CHECK(t->scalar_type() == at::kBFloat16, "bgmv_packed_: bf16 tensors only");
+  TORCH_CHECK(out.dim() == 2 && x.dim() == 2 && packed.dim() == 2, "bgmv_packed_: out [B, N], x [B, K], packed [S, C]");
+  const int64_t B = x.size(0), K = x.size(1), N = out.size(1), S = packed.size(0), C = packed.size(1);
+  TORCH_CHECK(out.size(0) == B, "bgmv_packed_: out and x must have the same rows");
+  TORCH_CHECK(out.stride(1) == 1 && x.stride(1) == 1 && packed.stride(1) == 1,
+              "bgmv_packed_: rows of out and x, and each slot of packed, must be contiguous");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.size(0) == B && slots.is_contiguous(),
+              "bgmv_packed_: slots must be a contiguous int64 [B]");
+  TORCH_CHECK(out_bounds.scalar_type() == at::kLong && out_bounds.dim() == 1 && out_bounds.is_contiguous() &&
+                  out_bounds.size(0) >= 2,
+              "bgmv_packed_: out_bounds must be a contiguous int64 [P + 1]");
+  const int64_t P = out_bounds.size(0) - 1;
+  TORCH_CHECK(proj.scalar_type() == at::kLong && proj.is_contiguous() && proj.dim() == 3 && proj.size(0) == S &&
+                  proj.size(1) == P && proj.size(2) == 2,
+              "bgmv_packed_: proj must be a contiguous int64 [S, P, 2]");
+  const int64_t* bounds = out_bounds.data_ptr<int64_t>();
+  TORCH_CHECK(bounds[0] >= 0 && bounds[P] <= N, "bgmv_packed_: out_bounds outside the output columns");
+  for (int64_t p = 0; p < P; ++p) TORCH_CHECK(bounds[p] <= bounds[p + 1], "bgmv_packed_: out_bounds must not decrease");
+  const int64_t* pr = proj.data_ptr<int64_t>();
+  for (int64_t s = 0; s < S; ++s)
+    for (int64_t p = 0; p < P; ++p) {
+      const int64_t off = pr[2 * (s * P + p)], nr = pr[2 * (s * P + p) + 1];
+      TORCH_CHECK(off >= 0 && nr >= 0 && off + nr * (K + bounds[p + 1] - bounds[p]) <= C,
+                  "bgmv_packed_: proj outside the slot's packed weights");
+    }
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) TORCH_CHECK(0 <= sp[b] && sp[b] < S, "bgmv_packed_: slot ", sp[b], " out of range");
+  if (B == 0) return;
+#ifdef LORAPLANE_AVX512_BF16
+  BF* po = out.data_ptr<BF>();
+  const BF *px = x.data_ptr<BF>(), *pw = packed.data_ptr<BF>();
+  const int64_t so = out.stride(0), sx = x.stride(0), ss = packed.stride(0);
+  auto prefetch_slot = [&](int64_t s) {
+    for (int64_t p = 0; p < P; ++p) {
+      const int64_t off = pr[2 * (s * P + p)], nr = pr[2 * (s * P + p) + 1];
+      if (nr > 0) prefetch_rows(pw + s * ss + off, 1, 0, nr * (K + bounds[p + 1] - bounds[p]));
+    }
+  };
+  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+    int64_t W = 0;
+    for (int64_t i = 0; i < S * P; ++i) W = std::max(W, pr[2 * i + 1]);
+    std::vector<float> h(static_cast<size_t>(std::max<int64_t>(W, 1)));
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t s = sp[b];
+      if (b + 1 < end && sp[b + 1] != s && sp[b + 1] != skip_slot) prefetch_slot(sp[b + 1]);
+      if (s == skip_slot) continue;
+      for (int64_t p = 0; p < P; ++p) {
+        const int64_t off = pr[2 * (s * P + p)], nr = pr[2 * (s * P + p) + 1];
+        const int64_t width = bounds[p + 1] - bounds[p];
+        if (nr == 0 || width == 0) continue;
+        const BF* ap = pw + s * ss + off;
+        shrink(px + b * sx, ap, K, nr, h.data());
+        expand(po + b * so + bounds[p], h.data(), ap + nr * K, width, width, nr);
+      }
+    }
+  });
+#else
+  TORCH_CHECK(false, "bgmv_packed_: built without AVX512-BF16");
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(loraplane, m) {
   m.def(
       "bgmv_(Tensor(a!) out, Tensor x, Tensor a, Tensor bt, Tensor slots, Tensor proj_rows, Tensor out_bounds, "
       "int skip_slot) -> ()");
+  m.def(
+      "bgmv_packed_(Tensor(a!) out, Tensor x, Tensor packed, Tensor slots, Tensor proj, Tensor out_bounds, "
+      "int skip_slot) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(loraplane, CPU, m) { m.impl("bgmv_", bgmv_); }
+TORCH_LIBRARY_IMPL(loraplane, CPU, m) {
+  m.impl("bgmv_", bgmv_);
+  m.impl("bgmv_packed_", bgmv_packed_);
+}

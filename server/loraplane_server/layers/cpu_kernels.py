@@ -99,6 +99,7 @@ def load() -> bool:
                 "silu_mul_",
                 "argmax_rows_",
                 "bgmv_",
+                "bgmv_packed_",
             )
             _state.update(ok=all(hasattr(torch.ops.loraplane, op) for op in ops), error=None)
         except Exception as error:  # no compiler, no ninja, a build error: keep the torch path
@@ -202,3 +203,17 @@ def bgmv_(
     Rows on skip_slot untouched. out [B, N], x [B, K], a [S, W, K], bt [S, W, N], slots [B] int64,
     proj_rows [S, P, 2] int64, out_bounds [P + 1] int64; bf16."""
     torch.ops.loraplane.bgmv_(out, x, a, bt, slots, proj_rows, out_bounds, skip_slot)
+
+
+def bgmv_packed_(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    slots: torch.Tensor,
+    proj: torch.Tensor,
+    out_bounds: torch.Tensor,
+    skip_slot: int,
+) -> None:
+    """bgmv_ over the packed layout: packed [S, C] bf16, slot s holding for each projection p it targets
+    A_p [rank_p, K] then B_p^T [rank_p, width_p] back to back; proj [S, P, 2] int64 = (offset of A_p, rank_p)."""
+    torch.ops.loraplane.bgmv_packed_(out, x, packed, slots, proj, out_bounds, skip_slot)

@@ -86,6 +86,12 @@ class LoRABatch:
             return self._apply_triton(layer.kind, a, b, x, out)
         bt = self.slots.bt[layer.kind][layer.layer_idx]  # [S+1, P*R, out]: a slot's B^T rows are contiguous
         if self.row_slots is not None and x.dtype == torch.bfloat16 and x.shape[0] == self.row_slots.shape[0]:
+            if self.slots.packed is not None:  # each slot's weights in one contiguous run per layer
+                packed = self.slots.packed[layer.kind][layer.layer_idx]  # [S+1, C]
+                proj = self.slots.packed_rows[layer.kind][layer.layer_idx]  # [S+1, P, 2]
+                bounds = self.slots.out_bounds[layer.kind]
+                cpu_kernels.bgmv_packed_(out, x, packed, self.row_slots, proj, bounds, self.slots.none_slot)
+                return out
             rows = self.slots.rows[layer.kind][layer.layer_idx]  # [S+1, P, 2]
             cpu_kernels.bgmv_(
                 out, x, a, bt, self.row_slots, rows, self.slots.out_bounds[layer.kind], self.slots.none_slot
