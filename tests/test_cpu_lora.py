@@ -169,6 +169,8 @@ def test_bf16_engine_with_many_adapters_follows_peft_fp32(
         EngineConfig(model=str(smollm2_dir), dtype="bfloat16", max_loras=4, max_lora_rank=16, max_num_seqs=8)
     )
     assert engine.layer_backend == "cpu_kernel"
+    slots = engine.runner.lora_slots
+    assert slots.packed is not None and not slots.a and not slots.bt  # the kernel's packed layout only
     for name, path in adapters.items():
         engine.adapters.register(name, str(path))
     texts = ["The capital of France is", "Once upon a time", "def add(a, b):", "Three primary colors are"]

@@ -1,8 +1,9 @@
 """Per-step LoRA compute: every token carries a slot; all adapters in one pass.
 
 CPU kernel (bf16 with the CPU kernels): one call per layer covers every row of the step, decode
-and prefill alike: csrc/lora_cpu.cpp reads each row's slot in place and multiplies only the
-projections' own blocks of the block-diagonal A and B.
+and prefill alike: csrc/lora_cpu.cpp reads each row's slot in place from the packed slots (one
+contiguous run per slot and layer, lora/slots.py) and multiplies each targeted projection's A and B.
+(`bgmv_` does the same over the dense block-diagonal layout; kept for callers of that layout.)
 Torch path (CPU), decode tokens: with few distinct adapters among them, the used slots' A and B
 are gathered once and every token multiplies against all of them, its own slot's columns kept by
 a one-hot mask (dense: plain matmuls, small weight traffic); with many, each token gathers its
@@ -80,18 +81,20 @@ class LoRABatch:
         """out [T, out] += the LoRA delta of every token's adapter for this merged layer."""
         if layer.kind not in self.kinds:
             return out
+        if self.slots.packed is not None:  # the CPU kernel: each slot's weights in one contiguous run per layer
+            if self.row_slots is None or x.dtype != torch.bfloat16 or x.shape[0] != self.row_slots.shape[0]:
+                raise RuntimeError("packed LoRA slots need the CPU kernel: bf16 rows, one slot per row")
+            packed = self.slots.packed[layer.kind][layer.layer_idx]  # [S+1, C]
+            proj = self.slots.packed_rows[layer.kind][layer.layer_idx]  # [S+1, P, 2]
+            bounds = self.slots.out_bounds[layer.kind]
+            cpu_kernels.bgmv_packed_(out, x, packed, self.row_slots, proj, bounds, self.slots.none_slot)
+            return out
         a = self.slots.a[layer.kind][layer.layer_idx]  # [S+1, P*R, in]
         b = self.slots.b[layer.kind][layer.layer_idx]  # [S+1, out, P*R]
         if self.use_triton:
             return self._apply_triton(layer.kind, a, b, x, out)
         bt = self.slots.bt[layer.kind][layer.layer_idx]  # [S+1, P*R, out]: a slot's B^T rows are contiguous
         if self.row_slots is not None and x.dtype == torch.bfloat16 and x.shape[0] == self.row_slots.shape[0]:
-            if self.slots.packed is not None:  # each slot's weights in one contiguous run per layer
-                packed = self.slots.packed[layer.kind][layer.layer_idx]  # [S+1, C]
-                proj = self.slots.packed_rows[layer.kind][layer.layer_idx]  # [S+1, P, 2]
-                bounds = self.slots.out_bounds[layer.kind]
-                cpu_kernels.bgmv_packed_(out, x, packed, self.row_slots, proj, bounds, self.slots.none_slot)
-                return out
             rows = self.slots.rows[layer.kind][layer.layer_idx]  # [S+1, P, 2]
             cpu_kernels.bgmv_(
                 out, x, a, bt, self.row_slots, rows, self.slots.out_bounds[layer.kind], self.slots.none_slot

@@ -6,9 +6,10 @@ B columns likewise, where r is the slot's rank, so B is block-diagonal and one s
 expand cover all P projections.
 Slot index num_slots is all zeros: tokens without an adapter gather it and add nothing.
 
-With `packed` (the CPU kernels), each slot also keeps a copy of its weights in one contiguous run
-per layer (`packed[kind][layer, slot]`): for each projection p the adapter targets, A_p [rank, in]
-then B_p^T [rank, width_p], back to back, at `packed_rows[kind][layer, slot, p]` = (offset, rank).
+With `packed` (the CPU kernels), the slots hold their weights instead in one contiguous run per
+slot and layer (`packed[kind][layer, slot]`; `a`, `b`, `bt` stay empty): for each projection p the
+adapter targets, A_p [rank, in] then B_p^T [rank, width_p], back to back, at
+`packed_rows[kind][layer, slot, p]` = (offset, rank).
 A decode row then reads its adapter in one ~30 KB run (q and v at rank 8) instead of 18 runs of
 0.4-9 KB spread over the dense layout's zero blocks (csrc/lora_cpu.cpp, bgmv_packed_).
 """
@@ -44,6 +45,8 @@ class LoRASlots:
         self.b: dict[str, torch.Tensor] = {}
         self.bt: dict[str, torch.Tensor] = {}
         for kind, lin in self.layouts.items():
+            if packed:
+                break  # the CPU kernel reads only the packed copy: no dense one
             width = len(lin.names) * max_rank
             self.a[kind] = torch.zeros(num_layers, num_slots + 1, width, lin.in_features, dtype=dtype, device=device)
             # B is stored transposed, [width, out] per slot, so a decode gather of a slot's first w rows
@@ -92,8 +95,9 @@ class LoRASlots:
             kind, p = self.kind_of(module)
             lo, hi = self.layouts[kind].slices[module]
             rank = a.shape[0]
-            self.a[kind][layer, slot, p * r : p * r + rank].copy_(a)
-            self.b[kind][layer, slot, lo:hi, p * r : p * r + rank].copy_(b)
+            if self.packed is None:
+                self.a[kind][layer, slot, p * r : p * r + rank].copy_(a)
+                self.b[kind][layer, slot, lo:hi, p * r : p * r + rank].copy_(b)
             self.rows[kind][layer, slot, p] = torch.tensor([p * r, rank])
             self.widths[slot][kind] = len(self.layouts[kind].names) * r
         if self.packed is not None:
@@ -119,10 +123,11 @@ class LoRASlots:
 
     def clear(self, slot: int) -> None:
         for kind in self.widths[slot]:
-            self.a[kind][:, slot].zero_()
-            self.b[kind][:, slot].zero_()
-            self.rows[kind][:, slot].zero_()
-            if self.packed is not None:
+            if self.packed is None:
+                self.a[kind][:, slot].zero_()
+                self.b[kind][:, slot].zero_()
+            else:
                 self.packed_rows[kind][:, slot].zero_()
+            self.rows[kind][:, slot].zero_()
         self.widths[slot] = {}
         self.adapter_in[slot] = None
