@@ -83,7 +83,40 @@ inline void prefetch_rows(const BF* p, int64_t rows, int64_t ld, int64_t cols) {
     for (int64_t byte = 0; byte < cols * 2; byte += 64) _mm_prefetch(row + byte, _MM_HINT_T1);
   }
 }
+
+// The rows of a step over the intra-op pool: rows on skip_slot are left alone, and when the next
+// row's slot differs, its weights are prefetched (prefetch(slot)) while this row computes
+// (row(b, slot, h): h a scratch of `rank` floats).
+template <typename Prefetch, typename Row>
+void for_each_row(int64_t B, const int64_t* sp, int64_t skip_slot, int64_t rank, Prefetch prefetch, Row row) {
+  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> h(static_cast<size_t>(std::max<int64_t>(rank, 1)));
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t s = sp[b];
+      if (b + 1 < end && sp[b + 1] != s && sp[b + 1] != skip_slot) prefetch(sp[b + 1]);
+      if (s != skip_slot) row(b, s, h.data());
+    }
+  });
+}
 #endif
+
+// The checks bgmv_ and bgmv_packed_ share: slots a contiguous int64 [B] of slots below S, and
+// out_bounds a contiguous int64 [P + 1] of non-decreasing columns inside [0, N]; returns P.
+int64_t check_slots_and_bounds(const char* op, const at::Tensor& slots, int64_t B, int64_t S,
+                               const at::Tensor& out_bounds, int64_t N) {
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.size(0) == B && slots.is_contiguous(),
+              op, ": slots must be a contiguous int64 [B]");
+  TORCH_CHECK(out_bounds.scalar_type() == at::kLong && out_bounds.dim() == 1 && out_bounds.is_contiguous() &&
+                  out_bounds.size(0) >= 2,
+              op, ": out_bounds must be a contiguous int64 [P + 1]");
+  const int64_t P = out_bounds.size(0) - 1;
+  const int64_t* bounds = out_bounds.data_ptr<int64_t>();
+  TORCH_CHECK(bounds[0] >= 0 && bounds[P] <= N, op, ": out_bounds outside the output columns");
+  for (int64_t p = 0; p < P; ++p) TORCH_CHECK(bounds[p] <= bounds[p + 1], op, ": out_bounds must not decrease");
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) TORCH_CHECK(0 <= sp[b] && sp[b] < S, op, ": slot ", sp[b], " out of range");
+  return P;
+}
 
 // out: [B, N] (rows may be strided), x: [B, K] (rows may be strided), a: [S, W, K], bt: [S, W, N]
 // (contiguous per slot), slots: [B] int64, proj_rows: [S, P, 2] int64 (first rank row, rows) per
@@ -100,24 +133,15 @@ void bgmv_(at::Tensor& out, const at::Tensor& x, const at::Tensor& a, const at::
   TORCH_CHECK(out.stride(1) == 1 && x.stride(1) == 1, "bgmv_: rows of out and x must be contiguous");
   TORCH_CHECK(a.stride(2) == 1 && a.stride(1) == K && bt.stride(2) == 1 && bt.stride(1) == N,
               "bgmv_: each slot of a and bt must be contiguous");
-  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.size(0) == B && slots.is_contiguous(),
-              "bgmv_: slots must be a contiguous int64 [B]");
-  TORCH_CHECK(out_bounds.scalar_type() == at::kLong && out_bounds.dim() == 1 && out_bounds.is_contiguous() &&
-                  out_bounds.size(0) >= 2,
-              "bgmv_: out_bounds must be a contiguous int64 [P + 1]");
-  const int64_t P = out_bounds.size(0) - 1;
+  const int64_t P = check_slots_and_bounds("bgmv_", slots, B, S, out_bounds, N);
   TORCH_CHECK(proj_rows.scalar_type() == at::kLong && proj_rows.is_contiguous() && proj_rows.dim() == 3 &&
                   proj_rows.size(0) == S && proj_rows.size(1) == P && proj_rows.size(2) == 2,
               "bgmv_: proj_rows must be a contiguous int64 [S, P, 2]");
-  const int64_t* bounds = out_bounds.data_ptr<int64_t>();
-  TORCH_CHECK(bounds[0] >= 0 && bounds[P] <= N, "bgmv_: out_bounds outside the output columns");
-  for (int64_t p = 0; p < P; ++p) TORCH_CHECK(bounds[p] <= bounds[p + 1], "bgmv_: out_bounds must not decrease");
-  const int64_t* pr = proj_rows.data_ptr<int64_t>();
+  const int64_t *bounds = out_bounds.data_ptr<int64_t>(), *pr = proj_rows.data_ptr<int64_t>();
   for (int64_t i = 0; i < S * P; ++i)
     TORCH_CHECK(pr[2 * i] >= 0 && pr[2 * i + 1] >= 0 && pr[2 * i] + pr[2 * i + 1] <= W,
                 "bgmv_: proj_rows outside the slots' rank rows");
   const int64_t* sp = slots.data_ptr<int64_t>();
-  for (int64_t b = 0; b < B; ++b) TORCH_CHECK(0 <= sp[b] && sp[b] < S, "bgmv_: slot ", sp[b], " out of range");
   if (B == 0) return;
 #ifdef LORAPLANE_AVX512_BF16
   BF* po = out.data_ptr<BF>();
@@ -131,18 +155,12 @@ void bgmv_(at::Tensor& out, const at::Tensor& x, const at::Tensor& a, const at::
       prefetch_rows(pb + s * sb + r0 * N + bounds[p], nr, N, bounds[p + 1] - bounds[p]);
     }
   };
-  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> h(W);
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t s = sp[b];
-      if (b + 1 < end && sp[b + 1] != s && sp[b + 1] != skip_slot) prefetch_slot(sp[b + 1]);
-      if (s == skip_slot) continue;
-      for (int64_t p = 0; p < P; ++p) {
-        const int64_t r0 = pr[2 * (s * P + p)], nr = pr[2 * (s * P + p) + 1];
-        if (nr == 0 || bounds[p + 1] == bounds[p]) continue;
-        shrink(px + b * sx, pa + s * sa + r0 * K, K, nr, h.data());
-        expand(po + b * so + bounds[p], h.data(), pb + s * sb + r0 * N + bounds[p], N, bounds[p + 1] - bounds[p], nr);
-      }
+  for_each_row(B, sp, skip_slot, W, prefetch_slot, [&](int64_t b, int64_t s, float* h) {
+    for (int64_t p = 0; p < P; ++p) {
+      const int64_t r0 = pr[2 * (s * P + p)], nr = pr[2 * (s * P + p) + 1];
+      if (nr == 0 || bounds[p + 1] == bounds[p]) continue;
+      shrink(px + b * sx, pa + s * sa + r0 * K, K, nr, h);
+      expand(po + b * so + bounds[p], h, pb + s * sb + r0 * N + bounds[p], N, bounds[p + 1] - bounds[p], nr);
     }
   });
 #else
@@ -165,19 +183,11 @@ void bgmv_packed_(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed
   TORCH_CHECK(out.size(0) == B, "bgmv_packed_: out and x must have the same rows");
   TORCH_CHECK(out.stride(1) == 1 && x.stride(1) == 1 && packed.stride(1) == 1,
               "bgmv_packed_: rows of out and x, and each slot of packed, must be contiguous");
-  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.size(0) == B && slots.is_contiguous(),
-              "bgmv_packed_: slots must be a contiguous int64 [B]");
-  TORCH_CHECK(out_bounds.scalar_type() == at::kLong && out_bounds.dim() == 1 && out_bounds.is_contiguous() &&
-                  out_bounds.size(0) >= 2,
-              "bgmv_packed_: out_bounds must be a contiguous int64 [P + 1]");
-  const int64_t P = out_bounds.size(0) - 1;
+  const int64_t P = check_slots_and_bounds("bgmv_packed_", slots, B, S, out_bounds, N);
   TORCH_CHECK(proj.scalar_type() == at::kLong && proj.is_contiguous() && proj.dim() == 3 && proj.size(0) == S &&
                   proj.size(1) == P && proj.size(2) == 2,
               "bgmv_packed_: proj must be a contiguous int64 [S, P, 2]");
-  const int64_t* bounds = out_bounds.data_ptr<int64_t>();
-  TORCH_CHECK(bounds[0] >= 0 && bounds[P] <= N, "bgmv_packed_: out_bounds outside the output columns");
-  for (int64_t p = 0; p < P; ++p) TORCH_CHECK(bounds[p] <= bounds[p + 1], "bgmv_packed_: out_bounds must not decrease");
-  const int64_t* pr = proj.data_ptr<int64_t>();
+  const int64_t *bounds = out_bounds.data_ptr<int64_t>(), *pr = proj.data_ptr<int64_t>();
   for (int64_t s = 0; s < S; ++s)
     for (int64_t p = 0; p < P; ++p) {
       const int64_t off = pr[2 * (s * P + p)], nr = pr[2 * (s * P + p) + 1];
@@ -185,7 +195,6 @@ void bgmv_packed_(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed
                   "bgmv_packed_: proj outside the slot's packed weights");
     }
   const int64_t* sp = slots.data_ptr<int64_t>();
-  for (int64_t b = 0; b < B; ++b) TORCH_CHECK(0 <= sp[b] && sp[b] < S, "bgmv_packed_: slot ", sp[b], " out of range");
   if (B == 0) return;
 #ifdef LORAPLANE_AVX512_BF16
   BF* po = out.data_ptr<BF>();
@@ -197,22 +206,16 @@ void bgmv_packed_(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed
       if (nr > 0) prefetch_rows(pw + s * ss + off, 1, 0, nr * (K + bounds[p + 1] - bounds[p]));
     }
   };
-  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
-    int64_t W = 0;
-    for (int64_t i = 0; i < S * P; ++i) W = std::max(W, pr[2 * i + 1]);
-    std::vector<float> h(static_cast<size_t>(std::max<int64_t>(W, 1)));
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t s = sp[b];
-      if (b + 1 < end && sp[b + 1] != s && sp[b + 1] != skip_slot) prefetch_slot(sp[b + 1]);
-      if (s == skip_slot) continue;
-      for (int64_t p = 0; p < P; ++p) {
-        const int64_t off = pr[2 * (s * P + p)], nr = pr[2 * (s * P + p) + 1];
-        const int64_t width = bounds[p + 1] - bounds[p];
-        if (nr == 0 || width == 0) continue;
-        const BF* ap = pw + s * ss + off;
-        shrink(px + b * sx, ap, K, nr, h.data());
-        expand(po + b * so + bounds[p], h.data(), ap + nr * K, width, width, nr);
-      }
+  int64_t rank = 0;
+  for (int64_t i = 0; i < S * P; ++i) rank = std::max(rank, pr[2 * i + 1]);
+  for_each_row(B, sp, skip_slot, rank, prefetch_slot, [&](int64_t b, int64_t s, float* h) {
+    for (int64_t p = 0; p < P; ++p) {
+      const int64_t off = pr[2 * (s * P + p)], nr = pr[2 * (s * P + p) + 1];
+      const int64_t width = bounds[p + 1] - bounds[p];
+      if (nr == 0 || width == 0) continue;
+      const BF* ap = pw + s * ss + off;
+      shrink(px + b * sx, ap, K, nr, h);
+      expand(po + b * so + bounds[p], h, ap + nr * K, width, width, nr);
     }
   });
 #else
