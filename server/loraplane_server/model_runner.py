@@ -110,9 +110,7 @@ class ModelRunner:
                 segments[-1] = (segments[-1][0], end, seq.lora_slot)  # merge runs of one adapter
             else:
                 segments.append((start, end, seq.lora_slot))
-        lora = LoRABatch(
-            self.lora_slots, decode_slots, segments, self.device, self.use_triton, self.layer_kernels, num_tokens
-        )
+        lora = LoRABatch(self.lora_slots, decode_slots, segments, self.device, self.use_triton, num_tokens)
         return None if lora.is_empty else lora
 
     @torch.inference_mode()

@@ -1,9 +1,8 @@
 """Per-step LoRA compute: every token carries a slot; all adapters in one pass.
 
-CPU kernel (bf16 with the CPU kernels): one call per layer covers every row of the step, decode
-and prefill alike: csrc/lora_cpu.cpp reads each row's slot in place from the packed slots (one
-contiguous run per slot and layer, lora/slots.py) and multiplies each targeted projection's A and B.
-(`bgmv_` does the same over the dense block-diagonal layout; kept for callers of that layout.)
+CPU kernel (packed slots: bf16 with the CPU kernels): one call per layer covers every row of the
+step, decode and prefill alike: csrc/lora_cpu.cpp (`bgmv_packed_`) reads each row's slot in place
+from its one contiguous run per layer (lora/slots.py) and multiplies each targeted projection's A and B.
 Torch path (CPU), decode tokens: with few distinct adapters among them, the used slots' A and B
 are gathered once and every token multiplies against all of them, its own slot's columns kept by
 a one-hot mask (dense: plain matmuls, small weight traffic); with many, each token gathers its
@@ -32,15 +31,25 @@ class LoRABatch:
         segments: list[tuple[int, int, int]],
         device: torch.device,
         use_triton: bool = False,
-        cpu_kernel: bool = False,
         num_tokens: int | None = None,
     ) -> None:
         """decode_slots: slot per decode row (none_slot for base); segments: (start, end, slot) of prefill
-        rows; num_tokens: rows in the step (decode rows first), needed by the CPU kernel."""
+        rows; num_tokens: rows in the step (decode rows first), needed by the CPU kernel (packed slots)."""
         self.slots = slots
         self.num_decode = len(decode_slots)
         used = {s for s in decode_slots if s != slots.none_slot} | {s for _, _, s in segments}
         self.kinds = {k for s in used for k in slots.widths[s]}
+        self.segments = segments
+        self.use_triton = use_triton
+        self.row_slots: torch.Tensor | None = None  # [T] slot per row of the step, for the CPU kernel
+        if slots.packed is not None:  # the CPU kernel takes every row; the torch paths' state is not needed
+            if num_tokens is None:
+                raise ValueError("packed LoRA slots need num_tokens (the CPU kernel takes every row of the step)")
+            rows = decode_slots + [slots.none_slot] * (num_tokens - len(decode_slots))
+            for start, end, slot in segments:
+                rows[start:end] = [slot] * (end - start)
+            self.row_slots = torch.tensor(rows, dtype=torch.int64)
+            return
         # decode gathers only the columns some decode slot uses (compact layout: the rest are zeros)
         self.decode_width = {
             k: max((slots.widths[s].get(k, 0) for s in set(decode_slots)), default=0) for k in self.kinds
@@ -61,15 +70,6 @@ class LoRABatch:
                 if s in pos:
                     onehot[row, pos[s]] = 1.0
             self.dense = (torch.tensor(decode_used, device=device), onehot)
-        self.segments = segments
-        self.use_triton = use_triton
-        self.cpu_kernel = cpu_kernel  # bf16 on the CPU: every row through csrc/lora_cpu.cpp
-        self.row_slots: torch.Tensor | None = None  # [T] slot per row of the step, for the CPU kernel
-        if cpu_kernel and not use_triton and num_tokens is not None:
-            rows = decode_slots + [slots.none_slot] * (num_tokens - len(decode_slots))
-            for start, end, slot in segments:
-                rows[start:end] = [slot] * (end - start)
-            self.row_slots = torch.tensor(rows, dtype=torch.int64)
         if use_triton:
             self._build_triton_segments(decode_slots, device)
 
@@ -81,8 +81,8 @@ class LoRABatch:
         """out [T, out] += the LoRA delta of every token's adapter for this merged layer."""
         if layer.kind not in self.kinds:
             return out
-        if self.slots.packed is not None:  # the CPU kernel: each slot's weights in one contiguous run per layer
-            if self.row_slots is None or x.dtype != torch.bfloat16 or x.shape[0] != self.row_slots.shape[0]:
+        if self.row_slots is not None:  # the CPU kernel: each slot's weights in one contiguous run per layer
+            if x.dtype != torch.bfloat16 or x.shape[0] != self.row_slots.shape[0]:
                 raise RuntimeError("packed LoRA slots need the CPU kernel: bf16 rows, one slot per row")
             packed = self.slots.packed[layer.kind][layer.layer_idx]  # [S+1, C]
             proj = self.slots.packed_rows[layer.kind][layer.layer_idx]  # [S+1, P, 2]
@@ -94,12 +94,6 @@ class LoRABatch:
         if self.use_triton:
             return self._apply_triton(layer.kind, a, b, x, out)
         bt = self.slots.bt[layer.kind][layer.layer_idx]  # [S+1, P*R, out]: a slot's B^T rows are contiguous
-        if self.row_slots is not None and x.dtype == torch.bfloat16 and x.shape[0] == self.row_slots.shape[0]:
-            rows = self.slots.rows[layer.kind][layer.layer_idx]  # [S+1, P, 2]
-            cpu_kernels.bgmv_(
-                out, x, a, bt, self.row_slots, rows, self.slots.out_bounds[layer.kind], self.slots.none_slot
-            )
-            return out
         nd = self.num_decode
         w = self.decode_width[layer.kind]
         if self.single is not None and w:
