@@ -128,11 +128,9 @@ class BlockManager:
             return room[0]
         if seq.block_table:
             last = seq.block_table[-1]
-            ways = self.direction.get(seq.seq_id)
-            for way in (ways,) if ways else (-1, 1):
-                if self._may_take(last + way):
-                    self.direction[seq.seq_id] = way
-                    return last + way
+            way = self._way_on(seq, last)
+            if way:
+                return last + way
         self.direction.pop(seq.seq_id, None)  # a new run
         if self.free:
             return next(iter(self.free))
@@ -147,6 +145,15 @@ class BlockManager:
         head = next(iter(self.free))
         return self.freed_at[block_id] - self.freed_at[head] <= len(self.free) // self.EARLY_FRACTION
 
+    def _way_on(self, seq: Sequence, last: int) -> int:
+        """The way (+1 or -1) seq's run can go on from block `last`, fixing it for a new run; 0 if neither."""
+        ways = self.direction.get(seq.seq_id)
+        for way in (ways,) if ways else (-1, 1):
+            if self._may_take(last + way):
+                self.direction[seq.seq_id] = way
+                return way
+        return 0
+
     def _claim_room(self, seq: Sequence) -> None:
         """Claim the neighbours seq is expected to grow into, up to ROOM_BLOCKS, along its run."""
         have = len(self.seq_room.get(seq.seq_id, ()))
@@ -156,20 +163,15 @@ class BlockManager:
             return
         room = self.seq_room.get(seq.seq_id, [])
         last = room[-1] if room else seq.block_table[-1]
-        ways = self.direction.get(seq.seq_id)
-        for way in (ways,) if ways else (-1, 1):
-            if self._may_take(last + way):
-                self.direction[seq.seq_id] = way
-                break
-        else:
-            return
-        while want > 0 and self._may_take(last + way):
+        way = self._way_on(seq, last)
+        while way and want > 0 and self._may_take(last + way):
             last += way
             del self.free[last]
             self.room[last] = seq.seq_id
             room.append(last)
             want -= 1
-        self.seq_room[seq.seq_id] = room
+        if room:
+            self.seq_room[seq.seq_id] = room
 
     def _unfree(self, block_id: int) -> None:
         """Take a free block off the free list, or out of whoever's room holds it."""
