@@ -20,25 +20,30 @@ CONTEXT_TOKENS = 4  # left context kept after a full re-decode
 
 
 class IncrementalText:
-    __slots__ = ("prefix", "read", "text")
+    __slots__ = ("head", "prefix", "read", "text")
 
     def __init__(self) -> None:
         self.text = ""  # the decode of tokens [0, read)
         self.prefix = 0
         self.read = 0
+        self.head: str | None = ""  # the decode of tokens [prefix, read), once asked for
 
     def update(self, decode: Callable[[list[int]], str], ids: list[int]) -> str:
         """The decoded text of ids, the whole output so far (ids only ever grows)."""
-        head = decode(ids[self.prefix : self.read])
+        if self.head is None:  # the same until the text settles again
+            self.head = decode(ids[self.prefix : self.read])
+        head = self.head
         window = decode(ids[self.prefix :])
         if not window.startswith(head):
             text = decode(ids)
             if not text.endswith(REPLACEMENT):
                 self.text, self.prefix, self.read = text, max(0, len(ids) - CONTEXT_TOKENS), len(ids)
+                self.head = None
             return text
         new = window[len(head) :]
         if new.endswith(REPLACEMENT):
             return self.text + new
         self.text += new
         self.prefix, self.read = self.read, len(ids)
+        self.head = None
         return self.text
