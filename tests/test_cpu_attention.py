@@ -41,6 +41,26 @@ def test_strided_query_rows_and_large_scores() -> None:
     torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("block_size", [16, 5])
+def test_stale_values_past_the_context_do_not_leak(dtype: torch.dtype, block_size: int) -> None:
+    """A freed block keeps what its last owner wrote, inf and NaN included: the rows of a sequence's
+    last block past its length must not reach its output (the bf16 kernel pairs a lone last value
+    row with zeros, and masks the scores and weights past the context)."""
+    q, k_cache, v_cache, tables, lens = make_case(6, 9, 3, 64, block_size, dtype, seed=21)
+    lens = (lens - 1).clamp(min=1)  # partial last blocks, odd counts among them
+    assert (lens % 2 == 1).any() and (lens % block_size != 0).sum() >= 4
+    clean = cpu_kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125)
+    for s in range(len(lens)):
+        n = int(lens[s])
+        last = int(tables[s, (n - 1) // block_size])
+        for cache, bad in ((k_cache, float("nan")), (v_cache, float("inf"))):
+            cache[last, (n - 1) % block_size + 1 :] = bad
+    dirty = cpu_kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125)
+    assert torch.isfinite(dirty).all()
+    assert torch.equal(dirty, clean)
+
+
 def test_writes_into_the_given_rows_only() -> None:
     """out= a slice of the layer's output (decode rows first): filled in place, the other rows untouched."""
     q, k_cache, v_cache, tables, lens = make_case(4, 9, 3, 64, 16, torch.bfloat16, seed=2)

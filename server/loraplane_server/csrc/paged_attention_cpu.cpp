@@ -8,17 +8,22 @@
 // Work items are (sequence, kv head) pairs, spread over torch's intra-op thread pool
 // (at::parallel_for), so torch.set_num_threads governs it like any other op. The query heads of
 // one kv group (GQA) share each key/value row while it is in cache. While a thread works through
-// one sequence's kv heads, it streams the whole blocks of the sequence it takes next into L2, a
-// few lines per token pair (bf16 kernel, `Trickle`): with the cache out of L3 (30 layers, 64
-// sequences of ~160 tokens in scattered blocks, 2 threads) a call went from ~860 to ~500 us;
-// ~290 us when everything sits in cache. Burst prefetches (a block at a time) got only to ~640.
+// one sequence's kv heads, it streams the whole blocks of the sequence two places later into L2,
+// a few lines per 16 tokens (bf16 kernel, `Trickle`): with the cache out of L3 (30 layers, 64
+// sequences of ~160 tokens in scattered blocks, 2 threads) a call went from ~860 to ~500 us.
+// Burst prefetches (a block at a time) got only to ~640.
 //
-// The bf16 kernel updates the softmax once per 128 tokens (scores of a chunk of blocks first,
-// then one max/exp/rescale, then the values), and multiplies the weights by V with vdpbf16ps,
-// two tokens per instruction, the weights rounded to bf16 for that product as flash-attention
-// kernels do. Measured on 64 sequences x 300 tokens x 30 layers, 2 threads: 96 -> 75 ms. Its
-// loops are unrolled by pragma: left to the compiler, the 12 accumulators of P V lived on the
-// stack, and a step with the keys and values in cache took 29 instead of 19 ns per token and kv head.
+// The bf16 kernel updates the softmax once per 128 tokens: the scores of a chunk of blocks first
+// (16 keys at a time per query head, vdpbf16ps, then one interleave-and-add tree for the 16 sums),
+// then one max/exp/rescale per head with a vectorized exp, then the values: the weights rounded
+// to bf16 (as flash-attention kernels do for this product) multiply V with vdpbf16ps, two tokens
+// per instruction, the accumulators of up to 4 heads in registers. The first version of this
+// kernel summed each dot product on its own, assembled the weight pairs in scalar code and left
+// its P V accumulators to the compiler, which kept them on the stack: 64 sequences of ~140
+// tokens, one layer, 2 threads went 284 -> 214 us with the bytes in cache, 401 -> 392 us
+// (consecutive blocks) and 582 -> 507 us (scattered) from memory; in workload (b) of
+// bench/multi_lora.py decode attention went 5.1 -> 4.7 s. Out of cache it runs at ~17 GB/s,
+// against ~31 GB/s for a plain sequential read with 2 threads here: the rest is memory.
 //
 // Registered as torch.ops.loraplane.paged_decode_attention_ (in-place on `out`); write_kv_ (at the
 // end) puts a step's keys and values into the cache.
@@ -89,7 +94,7 @@ inline void prefetch_block(const T* k, const T* v, int64_t block_size, int64_t r
 
 #ifdef LORAPLANE_AVX512_BF16
 // Streams a sequence's whole KV blocks (every kv head's rows, K then V) into L2 a few cache lines
-// per call, so that the next sequence arrives while this one computes. A work item reads only its
+// per call, so that a later sequence arrives while this one computes. A work item reads only its
 // own head's 128 bytes of each 384-byte token row, so the hardware prefetchers see a short strided
 // run per scattered block. Issued in bursts (a block's 192 lines at a time), the prefetches filled
 // the miss queues and stalled the loads of the block in hand; a trickle does not.
@@ -159,53 +164,6 @@ struct BlockScores {
   }
 };
 
-#ifdef LORAPLANE_AVX512_BF16
-// bf16 keys on a CPU with AVX512-BF16: vdpbf16ps multiplies bf16 pairs exactly and accumulates in
-// fp32, so a 64-wide dot product is two instructions and no conversion of the key row.
-template <int64_t HD>
-  requires(HD > 0 && HD % 32 == 0)
-struct BlockScores<c10::BFloat16, HD> {
-  std::vector<__m512bh> qv;
-  int64_t group;
-  float scale = 1.f;
-  BlockScores(int64_t group_, int64_t) : qv(group_ * (HD / 32)), group(group_) {}
-  void set_query(const c10::BFloat16* q, float scale_) {
-    scale = scale_;
-    for (int64_t i = 0; i < group * (HD / 32); ++i) qv[i] = (__m512bh)_mm512_loadu_si512(q + i * 32);
-  }
-  // Eight tokens at a time: each token's 16-lane partial dot is halved to 8 lanes, then an hadd tree
-  // turns the eight 8-lane vectors into one vector of eight scores (no per-token horizontal sum).
-  void operator()(const c10::BFloat16* k, int64_t n, int64_t row_stride, float* scores, int64_t stride) {
-    const __m256 scale_v = _mm256_set1_ps(scale);
-    for (int64_t t0 = 0; t0 < n; t0 += 8) {
-      const int64_t m = std::min<int64_t>(8, n - t0);
-      for (int64_t g = 0; g < group; ++g) {
-        __m256 half[8];
-        for (int64_t i = 0; i < 8; ++i) {
-          if (i >= m) {
-            half[i] = _mm256_setzero_ps();
-            continue;
-          }
-          const c10::BFloat16* row = k + (t0 + i) * row_stride;
-          __m512 x = _mm512_setzero_ps();
-          for (int64_t c = 0; c < HD / 32; ++c)
-            x = _mm512_dpbf16_ps(x, qv[g * (HD / 32) + c], (__m512bh)_mm512_loadu_si512(row + c * 32));
-          half[i] = _mm256_add_ps(_mm512_castps512_ps256(x),
-                                  _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
-        }
-        const __m256 ab = _mm256_hadd_ps(half[0], half[1]), cd = _mm256_hadd_ps(half[2], half[3]);
-        const __m256 ef = _mm256_hadd_ps(half[4], half[5]), gh = _mm256_hadd_ps(half[6], half[7]);
-        const __m256 abcd = _mm256_hadd_ps(ab, cd), efgh = _mm256_hadd_ps(ef, gh);
-        const __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(abcd, efgh, 0x20),
-                                          _mm256_permute2f128_ps(abcd, efgh, 0x31));
-        alignas(32) float out[8];
-        _mm256_store_ps(out, _mm256_mul_ps(sums, scale_v));
-        for (int64_t i = 0; i < m; ++i) scores[g * stride + t0 + i] = out[i];
-      }
-    }
-  }
-};
-#endif
 
 // acc[g] += sum_t p[g * stride + t] * v_t over the n value rows of one block.
 template <typename T, int64_t HD>
@@ -289,143 +247,191 @@ void decode_kernel(
 #ifdef LORAPLANE_AVX512_BF16
 constexpr int64_t kChunkTokens = 128;  // tokens per softmax update in the bf16 kernel
 
-// The hot case (bf16 cache, AVX512-BF16, head_dim 64 or 128, up to 8 query heads per kv head):
-// the group size is a template parameter so the output accumulators stay in vector registers.
-template <int64_t HD, int64_t G>
-void decode_kernel_bf16(
-    c10::BFloat16* out, const c10::BFloat16* q, const c10::BFloat16* k_cache, const c10::BFloat16* v_cache,
-    const int64_t* block_tables, const int64_t* context_lens, int64_t num_seqs, int64_t num_kv_heads,
-    int64_t block_size, int64_t table_width, int64_t q_stride, int64_t out_stride, int64_t cache_block_stride,
-    float scale) {
-  constexpr int64_t C = HD / 16;   // fp32 accumulator vectors per head row
-  constexpr int64_t C2 = HD / 32;  // 32-wide bf16 chunks per head row
-  // Softmax state is updated once per chunk of blocks rather than once per block: the max, the
-  // rescale of the accumulators and its exp are then paid per ~128 tokens instead of per 16.
+// 16 vectors in, one out: lane i of the result is the sum of x[i]'s 16 lanes. Four rounds of
+// interleave-and-add (45 instructions for 16 dot products, no scalar sums).
+__attribute__((always_inline)) inline __m512 sum_lanes16(const __m512 (&x)[16]) {
+  __m512 a[8], b[4], c[2];
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i)  // a[i], 128-bit lane j: x[2i] and x[2i+1] summed over lane j's halves
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(x[2 * i], x[2 * i + 1]), _mm512_unpackhi_ps(x[2 * i], x[2 * i + 1]));
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i) {  // b[i], 128-bit lane j: x[4i..4i+3], each summed over lane j
+    const __m512d p = _mm512_castps_pd(a[2 * i]), r = _mm512_castps_pd(a[2 * i + 1]);
+    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(p, r)), _mm512_castpd_ps(_mm512_unpackhi_pd(p, r)));
+  }
+#pragma GCC unroll 2
+  for (int i = 0; i < 2; ++i)  // c[i]: b[2i] and b[2i+1], their 128-bit lanes summed in pairs
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+}
+
+// s[0..16) = scale * q . k_t for 16 key rows from k (rows row_stride apart); rows past n (< 16)
+// repeat row 0, and their scores are for the caller to overwrite or mask.
+template <int64_t C2>
+__attribute__((always_inline)) inline void scores16(const c10::BFloat16* k, int64_t n, int64_t row_stride,
+                                                    const __m512bh* q, __m512 scale, float* s) {
+  __m512 x[16];
+#pragma GCC unroll 16
+  for (int64_t t = 0; t < 16; ++t) {
+    const c10::BFloat16* row = k + (t < n ? t : 0) * row_stride;
+    __m512 acc = _mm512_dpbf16_ps(_mm512_setzero_ps(), q[0], (__m512bh)_mm512_loadu_si512(row));
+#pragma GCC unroll 4
+    for (int64_t c = 1; c < C2; ++c) acc = _mm512_dpbf16_ps(acc, q[c], (__m512bh)_mm512_loadu_si512(row + 32 * c));
+    x[t] = acc;
+  }
+  _mm512_storeu_ps(s, _mm512_mul_ps(sum_lanes16(x), scale));
+}
+
+// The hot case: bf16 cache on a CPU with AVX512-BF16, head_dim 64 or 128, any number of query heads
+// per kv head. Per chunk of up to 128 tokens: every head's scores (16 keys at a time, vdpbf16ps
+// and sum_lanes16), one online-softmax update per head (vectorized exp), the weights rounded to
+// bf16 pairs (t, t+1), then P V with vdpbf16ps, two value rows per instruction, the accumulators
+// of up to GB heads in registers (they wait in L1 between chunks).
+template <int64_t HD>
+void decode_kernel_bf16(c10::BFloat16* out, const c10::BFloat16* q, const c10::BFloat16* k_cache,
+                        const c10::BFloat16* v_cache, const int64_t* block_tables, const int64_t* context_lens,
+                        int64_t num_seqs, int64_t num_kv_heads, int64_t group, int64_t block_size,
+                        int64_t table_width, int64_t q_stride, int64_t out_stride, int64_t cache_block_stride,
+                        float scale) {
+  using BF = c10::BFloat16;
+  constexpr int64_t C = HD / 16;            // fp32 accumulator vectors per head row
+  constexpr int64_t C2 = HD / 32;           // 32-wide bf16 chunks per head row
+  constexpr int64_t GB = C >= 8 ? 2 : 4;    // heads whose accumulators share the registers (<= 16 zmm)
+  constexpr int64_t kAhead = 2;             // sequences between the one computed and the one prefetched
   const int64_t chunk_blocks = std::max<int64_t>(1, kChunkTokens / block_size);
-  const int64_t stride = chunk_blocks * block_size;  // between query heads' score rows
+  const int64_t stride = chunk_blocks * block_size + 16;  // between heads' score rows (16 for a last partial store)
   at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    const int64_t row_stride = num_kv_heads * HD;
-    BlockScores<c10::BFloat16, HD> block_scores(G, HD);
-    std::vector<float> scores(G * stride);
-    std::vector<uint16_t> pbf(G * stride + 16);  // the chunk's softmax weights in bf16
+    const int64_t row_stride = num_kv_heads * HD;  // between tokens of one block
+    std::vector<float> scores(group * stride), m(group), l(group), corr(group);
+    std::vector<uint16_t> pbf(group * stride + 2);  // the weights in bf16, zero past the chunk's tokens
+    std::vector<__m512bh> qv(group * C2);
+    std::vector<__m512> accbuf(group * C);  // output accumulators between chunks
+    const __m512 scale_v = _mm512_set1_ps(scale);
     Trickle trickle;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item / num_kv_heads, kvh = item % num_kv_heads;
       const int64_t ctx = context_lens[s];
       const int64_t* table = block_tables + s * table_width;
-      block_scores.set_query(q + s * q_stride + kvh * G * HD, scale);
-      __m512 acc[G][C];
-      float m[G], l[G];
-      for (int64_t g = 0; g < G; ++g) {
-        for (int64_t c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
-        m[g] = -std::numeric_limits<float>::infinity();
-        l[g] = 0.f;
-      }
       const int64_t num_blocks = (ctx + block_size - 1) / block_size;
-      if (kvh == 0 && (s + 1) * num_kv_heads < end) {  // the next sequence, over this one's P V steps
-        trickle.start(k_cache, v_cache, block_tables + (s + 1) * table_width,
-                      (context_lens[s + 1] + block_size - 1) / block_size, block_size * row_stride * 2,
-                      cache_block_stride * 2, num_kv_heads * ((ctx + 1) / 2));
+      if (kvh == 0 && (s + kAhead) * num_kv_heads < end) {  // over this sequence's heads: a later one's blocks
+        const int64_t calls = num_kv_heads * 2 * ((ctx + 15) / 16);  // trickle.step() calls till then
+        trickle.start(k_cache, v_cache, block_tables + (s + kAhead) * table_width,
+                      (context_lens[s + kAhead] + block_size - 1) / block_size, block_size * row_stride * 2,
+                      cache_block_stride * 2, calls);
       } else if (kvh == 0) {
         trickle.stop();
       }
+      for (int64_t i = 0; i < group * C2; ++i)
+        qv[i] = (__m512bh)_mm512_loadu_si512(q + s * q_stride + kvh * group * HD + i * 32);
+      std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
+      std::fill(l.begin(), l.end(), 0.f);
+      std::fill(accbuf.begin(), accbuf.end(), _mm512_setzero_ps());
       for (int64_t b0 = 0; b0 < num_blocks; b0 += chunk_blocks) {
         const int64_t b1 = std::min(num_blocks, b0 + chunk_blocks);
-        int64_t n_chunk = 0;  // tokens in this chunk (only the sequence's last block can be partial)
+        const int64_t n_chunk = std::min(ctx, b1 * block_size) - b0 * block_size;
+        // scores: block b's rows at (b - b0) * block_size; a block's stores past its rows are
+        // overwritten by the next block's, and past the chunk's end they are masked below
         for (int64_t b = b0; b < b1; ++b) {
           const int64_t n = std::min(block_size, ctx - b * block_size);
           if (b + 1 < num_blocks) {
             const int64_t next = table[b + 1] * cache_block_stride + kvh * HD;
             prefetch_block(k_cache + next, v_cache + next, block_size, row_stride, HD);
           }
-          block_scores(k_cache + table[b] * cache_block_stride + kvh * HD, n, row_stride, scores.data() + n_chunk,
-                       stride);
-          n_chunk += n;
-        }
-        for (int64_t g = 0; g < G; ++g) {
-          const __m512 cv = _mm512_set1_ps(online_softmax_block(scores.data() + g * stride, n_chunk, m[g], l[g]));
-          for (int64_t c = 0; c < C; ++c) acc[g][c] = _mm512_mul_ps(acc[g][c], cv);
-        }
-        // P V with vdpbf16ps: the weights rounded to bf16 (as flash attention kernels do for this
-        // product), two tokens per instruction. Rows t and t+1 interleaved by unpacklo/hi give
-        // (v_t[d], v_t+1[d]) pairs; the accumulators hold the dims in that interleaved order.
-        for (int64_t g = 0; g < G; ++g) {
-          float* sg = scores.data() + g * stride;
-          uint16_t* pg = pbf.data() + g * stride;
-          int64_t t = 0;
-          for (; t + 16 <= n_chunk; t += 16)
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(pg + t), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(sg + t)));
-          for (; t < n_chunk; ++t) pg[t] = c10::BFloat16(sg[t]).x;
-        }
-        int64_t t0 = 0;
-        for (int64_t b = b0; b < b1; ++b) {
-          const int64_t n = std::min(block_size, ctx - b * block_size);
-          const c10::BFloat16* vb = v_cache + table[b] * cache_block_stride + kvh * HD;
-          for (int64_t t = 0; t < n; t += 2) {
+          const BF* kb = k_cache + table[b] * cache_block_stride + kvh * HD;
+          for (int64_t t0 = 0; t0 < n; t0 += 16) {
             trickle.step();
-            const bool pair = t + 1 < n;
-            const c10::BFloat16* r0 = vb + t * row_stride;
-            __m512i lo[C2], hi[C2];
+            for (int64_t g = 0; g < group; ++g)
+              scores16<C2>(kb + t0 * row_stride, std::min<int64_t>(16, n - t0), row_stride, qv.data() + g * C2,
+                           scale_v, scores.data() + g * stride + (b - b0) * block_size + t0);
+          }
+        }
+        for (int64_t g = 0; g < group; ++g) {  // online softmax over the chunk, weights to bf16
+          const float* sg = scores.data() + g * stride;
+          uint16_t* pg = pbf.data() + g * stride;
+          auto tail = [&](int64_t t) {
+            return n_chunk - t >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << (n_chunk - t)) - 1);
+          };
+          __m512 mx = _mm512_set1_ps(m[g]);
+          for (int64_t t = 0; t < n_chunk; t += 16) mx = _mm512_mask_max_ps(mx, tail(t), mx, _mm512_loadu_ps(sg + t));
+          const float m_new = _mm512_reduce_max_ps(mx);
+          const bool first = m[g] == -std::numeric_limits<float>::infinity();
+          corr[g] = first ? 0.f : loraplane_cpu::exp_clamped(m[g] - m_new);
+          m[g] = m_new;
+          __m512 sum = _mm512_setzero_ps();
+          for (int64_t t = 0; t < n_chunk + 1; t += 16) {  // + 1: a zero weight after an odd count
+            const __m512 x = _mm512_sub_ps(_mm512_loadu_ps(sg + t), _mm512_set1_ps(m_new));
+            const __m512 e = _mm512_maskz_mov_ps(tail(std::min(t, n_chunk)), loraplane_cpu::exp_nonpositive(x));
+            sum = _mm512_add_ps(sum, e);
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(pg + t), (__m256i)_mm512_cvtneps_pbh(e));
+          }
+          l[g] = l[g] * corr[g] + _mm512_reduce_add_ps(sum);
+        }
+        for (int64_t g0 = 0; g0 < group; g0 += GB) {  // P V for heads g0 .. g0 + gn - 1
+          const int64_t gn = std::min(GB, group - g0);
+          __m512 acc[GB][C];
 #pragma GCC unroll 4
-            for (int64_t c = 0; c < C2; ++c) {
-              const __m512i a = _mm512_loadu_si512(r0 + c * 32);
-              const __m512i b2 = pair ? _mm512_loadu_si512(r0 + row_stride + c * 32) : _mm512_setzero_si512();
-              lo[c] = _mm512_unpacklo_epi16(a, b2);
-              hi[c] = _mm512_unpackhi_epi16(a, b2);
-            }
-#pragma GCC unroll 16
-            for (int64_t g = 0; g < G; ++g) {
-              const uint16_t* pg = pbf.data() + g * stride + t0 + t;
-              const uint32_t bits = static_cast<uint32_t>(pg[0]) | (pair ? static_cast<uint32_t>(pg[1]) << 16 : 0u);
-              const __m512bh pp = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(bits));
+          for (int64_t j = 0; j < GB; ++j) {
+            const __m512 cv = _mm512_set1_ps(j < gn ? corr[g0 + j] : 0.f);
+#pragma GCC unroll 8
+            for (int64_t c = 0; c < C; ++c)
+              acc[j][c] = j < gn ? _mm512_mul_ps(accbuf[(g0 + j) * C + c], cv) : _mm512_setzero_ps();
+          }
+          for (int64_t b = b0; b < b1; ++b) {
+            const int64_t n = std::min(block_size, ctx - b * block_size);
+            const BF* vb = v_cache + table[b] * cache_block_stride + kvh * HD;
+            const int64_t off = (b - b0) * block_size;
+            for (int64_t t = 0; t < n; t += 2) {
+              if (t % 16 == 0) trickle.step();
+              // rows t and t+1 interleaved by unpacklo/hi give (v_t[d], v_t+1[d]) pairs; the
+              // accumulators hold the dims in that order. A lone last row pairs with zeros, so
+              // whatever weight sits next to its own multiplies zero.
+              const bool pair = t + 1 < n;
+              const BF* r0 = vb + t * row_stride;
+              __m512i lo[C2], hi[C2];
 #pragma GCC unroll 4
               for (int64_t c = 0; c < C2; ++c) {
-                acc[g][2 * c] = _mm512_dpbf16_ps(acc[g][2 * c], (__m512bh)lo[c], pp);
-                acc[g][2 * c + 1] = _mm512_dpbf16_ps(acc[g][2 * c + 1], (__m512bh)hi[c], pp);
+                const __m512i a = _mm512_loadu_si512(r0 + c * 32);
+                const __m512i b2 = pair ? _mm512_loadu_si512(r0 + row_stride + c * 32) : _mm512_setzero_si512();
+                lo[c] = _mm512_unpacklo_epi16(a, b2);
+                hi[c] = _mm512_unpackhi_epi16(a, b2);
+              }
+#pragma GCC unroll 4
+              for (int64_t j = 0; j < GB; ++j) {
+                if (j >= gn) break;
+                uint32_t bits;
+                std::memcpy(&bits, pbf.data() + (g0 + j) * stride + off + t, sizeof(bits));
+                const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(bits));
+#pragma GCC unroll 4
+                for (int64_t c = 0; c < C2; ++c) {
+                  acc[j][2 * c] = _mm512_dpbf16_ps(acc[j][2 * c], (__m512bh)lo[c], w);
+                  acc[j][2 * c + 1] = _mm512_dpbf16_ps(acc[j][2 * c + 1], (__m512bh)hi[c], w);
+                }
               }
             }
           }
-          t0 += n;
+#pragma GCC unroll 4
+          for (int64_t j = 0; j < GB; ++j)
+            if (j < gn)
+#pragma GCC unroll 8
+              for (int64_t c = 0; c < C; ++c) accbuf[(g0 + j) * C + c] = acc[j][c];
         }
       }
-      for (int64_t g = 0; g < G; ++g) {
+      for (int64_t g = 0; g < group; ++g) {
         alignas(64) float row[HD];
         const __m512 inv = _mm512_set1_ps(l[g] > 0.f ? 1.f / l[g] : 0.f);
-        for (int64_t c = 0; c < C; ++c) _mm512_store_ps(row + c * 16, _mm512_mul_ps(acc[g][c], inv));
+        for (int64_t c = 0; c < C; ++c) _mm512_store_ps(row + c * 16, _mm512_mul_ps(accbuf[g * C + c], inv));
         // undo the interleave: accumulator 2c (2c+1) lane i holds dim 32c + 8(i/4) + i%4 (+4)
-        c10::BFloat16* o = out + s * out_stride + (kvh * G + g) * HD;
+        BF* o = out + s * out_stride + (kvh * group + g) * HD;
         for (int64_t c = 0; c < C2; ++c)
           for (int64_t i = 0; i < 16; ++i) {
             const int64_t d = 32 * c + 8 * (i / 4) + i % 4;
-            o[d] = static_cast<c10::BFloat16>(row[32 * c + i]);
-            o[d + 4] = static_cast<c10::BFloat16>(row[32 * c + 16 + i]);
+            o[d] = static_cast<BF>(row[32 * c + i]);
+            o[d + 4] = static_cast<BF>(row[32 * c + 16 + i]);
           }
       }
     }
   });
-}
-
-template <int64_t HD>
-bool try_decode_kernel_bf16(int64_t group, c10::BFloat16* out, const c10::BFloat16* q, const c10::BFloat16* k,
-                            const c10::BFloat16* v, const int64_t* tables, const int64_t* lens, int64_t num_seqs,
-                            int64_t num_kv_heads, int64_t block_size, int64_t table_width, int64_t q_stride,
-                            int64_t out_stride, int64_t cache_block_stride, float scale) {
-  auto run = [&](auto kernel) {
-    kernel(out, q, k, v, tables, lens, num_seqs, num_kv_heads, block_size, table_width, q_stride, out_stride,
-           cache_block_stride, scale);
-    return true;
-  };
-  switch (group) {
-    case 1: return run(decode_kernel_bf16<HD, 1>);
-    case 2: return run(decode_kernel_bf16<HD, 2>);
-    case 3: return run(decode_kernel_bf16<HD, 3>);
-    case 4: return run(decode_kernel_bf16<HD, 4>);
-    case 5: return run(decode_kernel_bf16<HD, 5>);
-    case 6: return run(decode_kernel_bf16<HD, 6>);
-    case 7: return run(decode_kernel_bf16<HD, 7>);
-    case 8: return run(decode_kernel_bf16<HD, 8>);
-    default: return false;
-  }
 }
 #endif
 
@@ -463,13 +469,15 @@ void paged_decode_attention_(
     const auto *qp = q.data_ptr<BF>(), *kp = k_cache.data_ptr<BF>(), *vp = v_cache.data_ptr<BF>();
     const auto *tp = block_tables.data_ptr<int64_t>(), *lp = context_lens.data_ptr<int64_t>();
     const int64_t group = num_heads / num_kv_heads, w = block_tables.size(1);
-    const bool done =
-        head_dim == 64
-            ? try_decode_kernel_bf16<64>(group, o, qp, kp, vp, tp, lp, num_seqs, num_kv_heads, block_size, w,
-                                         q.stride(0), out.stride(0), k_cache.stride(0), static_cast<float>(scale))
-            : try_decode_kernel_bf16<128>(group, o, qp, kp, vp, tp, lp, num_seqs, num_kv_heads, block_size, w,
-                                          q.stride(0), out.stride(0), k_cache.stride(0), static_cast<float>(scale));
-    if (done) return;
+    const int64_t cbs = k_cache.stride(0);
+    const float sc = static_cast<float>(scale);
+    if (head_dim == 64)
+      decode_kernel_bf16<64>(o, qp, kp, vp, tp, lp, num_seqs, num_kv_heads, group, block_size, w, q.stride(0),
+                             out.stride(0), cbs, sc);
+    else
+      decode_kernel_bf16<128>(o, qp, kp, vp, tp, lp, num_seqs, num_kv_heads, group, block_size, w, q.stride(0),
+                              out.stride(0), cbs, sc);
+    return;
   }
 #endif
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention_", [&] {

@@ -45,23 +45,6 @@ using BF = c10::BFloat16;
 constexpr int64_t kKeys = 64;       // keys per tile: four score vectors, one softmax update
 constexpr int64_t kQueryTile = 32;  // query positions per work item
 
-// exp(x) for x <= 0 on 16 lanes: 2^n * e^r with |r| <= ln2/2 (degree-6 Taylor, rel. error < 2e-7).
-inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723212e-6f), r);
-  __m512 p = _mm512_set1_ps(1.f / 720.f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
-
 // One query position's `group` heads (rows r0 .. r0 + group - 1 of the work item) against one key
 // tile, GB heads at a time: each key vector and each pair of value rows is loaded once for GB rows
 // (one row at a time, every vdpbf16ps waited on a load of its own). VV: score vectors in use.
@@ -110,7 +93,7 @@ inline void rows_step(int64_t r0, int64_t group, int64_t visible, const uint32_t
 #pragma GCC unroll 4
       for (int64_t v = 0; v < VV; ++v) {
         const __mmask16 seen = _mm512_cmp_ps_mask(s[v][g], neg_inf, _CMP_NEQ_OQ);  // masked keys weigh exactly 0
-        const __m512 pr = _mm512_maskz_mov_ps(seen, exp_nonpositive(_mm512_sub_ps(s[v][g], mxv)));
+        const __m512 pr = _mm512_maskz_mov_ps(seen, loraplane_cpu::exp_nonpositive(_mm512_sub_ps(s[v][g], mxv)));
         psum = _mm512_add_ps(psum, pr);
         _mm256_store_si256(reinterpret_cast<__m256i*>(pbits[g] + 8 * v), (__m256i)_mm512_cvtneps_pbh(pr));
       }
