@@ -4,9 +4,11 @@ output for each adapter alone, token for token, in fp32: on a tiny random model 
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
 from lora_helpers import ADAPTER_SPECS, make_peft_adapter, peft_greedy
 from loraplane_server.config import EngineConfig
@@ -100,3 +102,48 @@ def test_one_adapter_alone_matches_peft(tiny_llama_dir: Path, tmp_path: Path) ->
     prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (7, 19)]
     work = [(name, prompts[0], 9, 0), (name, prompts[1], 6, 0)]
     assert run_mixed(engine, work) == peft_greedy(tiny_llama_dir, path, prompts, [9, 6])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_last_layer_runs_on_the_logits_rows_alone(tiny_llama_dir: Path, tmp_path: Path, dtype: str) -> None:
+    """In a step with prefill rows that sample nothing, the last layer's o projection and MLP (LoRA
+    included) take the logits rows alone, and the logits equal those of the whole step's rows."""
+    adapters = {
+        name: make_peft_adapter(tiny_llama_dir, tmp_path / name, seed=i, **spec)
+        for i, (name, spec) in enumerate(ADAPTER_SPECS.items())
+    }
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(tiny_llama_dir),
+            dtype=dtype,
+            block_size=4,
+            num_kv_blocks=128,
+            max_num_batched_tokens=48,
+            max_lora_rank=16,
+            disk_cache_dir=str(tmp_path / "disk-cache"),
+        )
+    )
+    for name, path in adapters.items():
+        engine.adapters.register(name, str(path))
+    model = engine.runner.model
+    mlp_rows: list[int] = []
+    model.layers[-1].mlp.register_forward_pre_hook(lambda _m, args: mlp_rows.append(args[0].shape[0]))
+    forward = model.forward
+    checked: list[int] = []
+
+    def both(input_ids, kv_caches, batch):  # noqa: ANN001, ANN202
+        logits = forward(input_ids, kv_caches, batch)
+        if batch.prunes_last_layer:
+            assert mlp_rows[-1] == len(batch.logits_indices) < len(input_ids)
+            full = forward(input_ids, kv_caches, replace(batch, logits_indices=None, logits_lora=None))
+            torch.testing.assert_close(logits, full[batch.logits_indices], atol=2e-2, rtol=2e-2)
+            assert (logits.argmax(-1) == full[batch.logits_indices].argmax(-1)).float().mean() > 0.9
+            checked.append(len(input_ids))
+        return logits
+
+    model.forward = both
+    rng = random.Random(7)
+    names: list[str | None] = [*adapters, None]
+    work = [(names[i % 5], [rng.randrange(3, 512) for _ in range(rng.randrange(5, 30))], 5, i // 4) for i in range(10)]
+    run_mixed(engine, work)
+    assert len(checked) >= 3, "some steps prefilled rows that sample nothing"

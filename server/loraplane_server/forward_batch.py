@@ -6,7 +6,7 @@ Token order: all decode tokens first (one per sequence), then each prefill chunk
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -38,3 +38,15 @@ class ForwardBatch:
     prefills: list[PrefillChunk] = field(default_factory=list)
     logits_indices: torch.Tensor | None = None  # [S] rows whose next token is sampled
     lora: LoRABatch | None = None  # per-token adapter slots; None when no token has an adapter
+    logits_lora: LoRABatch | None = None  # the same for the logits rows alone (see logits_rows_batch)
+
+    @property
+    def prunes_last_layer(self) -> bool:
+        """Whether some rows produce no logits: then the last layer's o projection and MLP, whose
+        outputs feed nothing but the logits, run on the logits rows alone (its keys and values are
+        written for every row by then)."""
+        return self.logits_indices is not None and len(self.logits_indices) < len(self.positions)
+
+    def logits_rows_batch(self) -> ForwardBatch:
+        """This step as seen by layers that run on the logits rows alone (row i = logits_indices[i])."""
+        return replace(self, lora=self.logits_lora, logits_lora=None, logits_indices=None)

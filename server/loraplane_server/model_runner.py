@@ -88,6 +88,8 @@ class ModelRunner:
             span = torch.arange(tables.shape[1] * bs, device=self.device)
             batch.decode_mask = (span < batch.decode_context_lens.unsqueeze(1))[:, None, None, :]
         batch.lora = self._lora_batch(decodes, prefills, chunks, len(ids))
+        if batch.lora is not None and batch.prunes_last_layer:
+            batch.logits_lora = self._rows_lora_batch(samplers)
         return t(ids), batch, samplers
 
     def _lora_batch(
@@ -111,6 +113,14 @@ class ModelRunner:
             else:
                 segments.append((start, end, seq.lora_slot))
         lora = LoRABatch(self.lora_slots, decode_slots, segments, self.device, self.use_triton, num_tokens)
+        return None if lora.is_empty else lora
+
+    def _rows_lora_batch(self, samplers: list[Sequence]) -> LoRABatch | None:
+        """The adapters of the logits rows (one per sampling sequence, in order), each row on its own."""
+        assert self.lora_slots is not None
+        none = self.lora_slots.none_slot
+        rows = [none if s.lora_slot is None else s.lora_slot for s in samplers]
+        lora = LoRABatch(self.lora_slots, rows, [], self.device, self.use_triton, len(rows))
         return None if lora.is_empty else lora
 
     @torch.inference_mode()

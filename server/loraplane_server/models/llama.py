@@ -79,8 +79,15 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
 
     def forward(
-        self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], kv_cache: torch.Tensor, batch: ForwardBatch
+        self,
+        x: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: torch.Tensor,
+        batch: ForwardBatch,
+        rows: ForwardBatch | None = None,
     ) -> torch.Tensor:
+        """With `rows` (the logits rows' view of the step), attention runs for every row and the o
+        projection for batch.logits_indices' rows alone."""
         t = x.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = self.qkv(x, batch).split([q_size, kv_size, kv_size], dim=-1)
@@ -92,6 +99,8 @@ class Attention(nn.Module):
         else:
             q, k = apply_rotary(q, k, *cos_sin)
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], batch, self.scale)  # [T, H, D]
+        if rows is not None and batch.logits_indices is not None:
+            return self.o(out.reshape(t, q_size)[batch.logits_indices], rows)
         return self.o(out.reshape(t, q_size), batch)
 
 
@@ -129,11 +138,15 @@ class DecoderLayer(nn.Module):
         kv_cache: torch.Tensor,
         batch: ForwardBatch,
         next_norm: RMSNorm | None,
+        rows: ForwardBatch | None = None,
     ) -> torch.Tensor:
         """x: the residual stream, updated in place; h: input_layernorm(x). Returns next_norm(x) after
         this layer (the next layer's h; each norm is fused with the residual add before it), or, for
-        the last layer (next_norm None), x itself."""
-        a = self.self_attn(h, cos_sin, kv_cache, batch)
+        the last layer (next_norm None), x itself. With `rows` (last layer only), everything after
+        attention runs on batch.logits_indices' rows, and x's rows at those indices are returned."""
+        a = self.self_attn(h, cos_sin, kv_cache, batch, rows)
+        if rows is not None and batch.logits_indices is not None:
+            x, batch = x[batch.logits_indices], rows
         h = self.post_attention_layernorm.add_forward(x, a, batch.layer_kernels)
         m = self.mlp(h, batch)
         if next_norm is None:
@@ -162,9 +175,13 @@ class LlamaForCausalLM(nn.Module):
             cos_sin = cos_sin[0].squeeze(1), cos_sin[1].squeeze(1)  # [T, D] for the fused rotary
         h = self.layers[0].input_layernorm.add_forward(x, None, kernels)
         last = len(self.layers) - 1
+        rows = batch.logits_rows_batch() if batch.prunes_last_layer else None
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            h = layer(x, h, cos_sin, kv_cache, batch, None if i == last else self.layers[i + 1].input_layernorm)
-        if batch.logits_indices is not None:
+            if i < last:
+                h = layer(x, h, cos_sin, kv_cache, batch, self.layers[i + 1].input_layernorm)
+            else:
+                h = layer(x, h, cos_sin, kv_cache, batch, None, rows)
+        if batch.logits_indices is not None and rows is None:
             h = h[batch.logits_indices]
         h = self.norm.add_forward(h.contiguous(), None, kernels)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
