@@ -5,12 +5,14 @@
 
 #pragma once
 
+#include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
@@ -18,6 +20,29 @@
 #endif
 
 namespace loraplane_cpu {
+
+// body(begin, end) over [0, n) in one contiguous range per intra-op thread, the ranges of about
+// equal total cost (cost(i) >= 0), where at::parallel_for would cut them by count: the work items
+// of attention cost what their sequence's context does, and 2 threads cut by count idled one of
+// them for the other's longer sequences.
+template <typename Cost, typename Body>
+void parallel_by_cost(int64_t n, Cost cost, Body body) {
+  const int64_t parts = std::min<int64_t>(at::get_num_threads(), n);
+  if (parts <= 1) {
+    if (n > 0) body(0, n);
+    return;
+  }
+  std::vector<int64_t> prefix(n + 1, 0);
+  for (int64_t i = 0; i < n; ++i) prefix[i + 1] = prefix[i] + cost(i);
+  std::vector<int64_t> cut(parts + 1, n);
+  cut[0] = 0;
+  for (int64_t p = 1; p < parts; ++p)
+    cut[p] = std::lower_bound(prefix.begin(), prefix.end(), prefix[n] * p / parts) - prefix.begin();
+  at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p)
+      if (cut[p] < cut[p + 1]) body(cut[p], cut[p + 1]);
+  });
+}
 
 // exp(x) that vectorizes (std::exp in a simd loop becomes one libm call per element): x clamped
 // to [-87, 88] (the float range), x = n*ln2 + r with |r| <= ln2/2, e^r by a degree-6 Taylor

@@ -301,7 +301,8 @@ void decode_kernel_bf16(c10::BFloat16* out, const c10::BFloat16* q, const c10::B
   constexpr int64_t kAhead = 2;             // sequences between the one computed and the one prefetched
   const int64_t chunk_blocks = std::max<int64_t>(1, kChunkTokens / block_size);
   const int64_t stride = chunk_blocks * block_size + 16;  // between heads' score rows (16 for a last partial store)
-  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+  const auto cost = [&](int64_t item) { return context_lens[item / num_kv_heads] + 16; };
+  loraplane_cpu::parallel_by_cost(num_seqs * num_kv_heads, cost, [&](int64_t begin, int64_t end) {
     const int64_t row_stride = num_kv_heads * HD;  // between tokens of one block
     std::vector<float> scores(group * stride), m(group), l(group), corr(group);
     std::vector<uint16_t> pbf(group * stride + 2);  // the weights in bf16, zero past the chunk's tokens

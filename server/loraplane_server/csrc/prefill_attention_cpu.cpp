@@ -139,7 +139,10 @@ void prefill_kernel(BF* out, int64_t out_stride, const BF* q, int64_t q_stride, 
   constexpr int64_t C2 = HD / 32; // 32-wide bf16 chunks of a value row
   const int64_t row_stride = num_kv_heads * HD;
   const int64_t tiles = (n + kQueryTile - 1) / kQueryTile;
-  at::parallel_for(0, num_kv_heads * tiles, 1, [&](int64_t begin, int64_t end) {
+  const auto cost = [&](int64_t item) {  // the keys a tile's queries see
+    return ctx + std::min(n, (item % tiles + 1) * kQueryTile);
+  };
+  loraplane_cpu::parallel_by_cost(num_kv_heads * tiles, cost, [&](int64_t begin, int64_t end) {
     const int64_t rows_max = group * kQueryTile;
     std::vector<float> acc(rows_max * HD), m(rows_max), l(rows_max);
     std::vector<uint32_t> qbuf(rows_max * P);  // the tile's query rows as bf16 dim pairs
