@@ -86,10 +86,16 @@ inline void prefetch_rows(const BF* p, int64_t rows, int64_t ld, int64_t cols) {
 
 // The rows of a step over the intra-op pool: rows on skip_slot are left alone, and when the next
 // row's slot differs, its weights are prefetched (prefetch(slot)) while this row computes
-// (row(b, slot, h): h a scratch of `rank` floats).
+// (row(b, slot, h): h a scratch of `rank` floats). The threads split the rows by cost: a row whose
+// slot differs from the row before reads its adapter's weights from memory (decode rows: ~4x a
+// row of a prefill chunk, whose adapter is in cache from the row before).
 template <typename Prefetch, typename Row>
 void for_each_row(int64_t B, const int64_t* sp, int64_t skip_slot, int64_t rank, Prefetch prefetch, Row row) {
-  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+  const auto cost = [&](int64_t b) -> int64_t {
+    if (sp[b] == skip_slot) return 0;
+    return b > 0 && sp[b - 1] == sp[b] ? 1 : 4;
+  };
+  loraplane_cpu::parallel_by_cost(B, cost, [&](int64_t begin, int64_t end) {
     std::vector<float> h(static_cast<size_t>(std::max<int64_t>(rank, 1)));
     for (int64_t b = begin; b < end; ++b) {
       const int64_t s = sp[b];
