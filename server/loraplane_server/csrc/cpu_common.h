@@ -96,6 +96,11 @@ __attribute__((always_inline)) inline __m512 exp_nonpositive(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
   return _mm512_scalef_ps(p, n);
 }
+
+// exp_clamped on 16 lanes: exp_nonpositive's reduction and polynomial hold up to x = 88 as well.
+__attribute__((always_inline)) inline __m512 exp_clamped16(__m512 x) {
+  return exp_nonpositive(_mm512_min_ps(x, _mm512_set1_ps(88.f)));
+}
 #endif
 
 }  // namespace loraplane_cpu

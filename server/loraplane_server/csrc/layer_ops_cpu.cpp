@@ -152,11 +152,24 @@ void silu_mul_(at::Tensor& out, const at::Tensor& gate_up) {
     for (int64_t t = begin; t < end; ++t) {
       const uint16_t* gt = g + t * sg;
       uint16_t* ot = o + t * so;
+#ifdef LORAPLANE_AVX512_BF16
+      // 16 lanes at a time with the same exp; left to `omp simd`, the loop ran ~2.5x slower
+      using loraplane_cpu::load16_bf16_as_f32;
+      for (int64_t j = 0; j < I; j += 16) {
+        const int64_t n = std::min<int64_t>(16, I - j);
+        const __m512 x = load16_bf16_as_f32(reinterpret_cast<const c10::BFloat16*>(gt + j), n);
+        const __m512 up = load16_bf16_as_f32(reinterpret_cast<const c10::BFloat16*>(gt + I + j), n);
+        const __m512 e = loraplane_cpu::exp_clamped16(_mm512_sub_ps(_mm512_setzero_ps(), x));
+        const __m512 y = _mm512_mul_ps(_mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), e)), up);
+        _mm256_mask_storeu_epi16(ot + j, static_cast<__mmask16>((1u << n) - 1), (__m256i)_mm512_cvtneps_pbh(y));
+      }
+#else
 #pragma omp simd
       for (int64_t j = 0; j < I; ++j) {
         const float x = bf16_to_float(gt[j]);
         ot[j] = float_to_bf16(x / (1.f + loraplane_cpu::exp_clamped(-x)) * bf16_to_float(gt[j + I]));
       }
+#endif
     }
   });
 }
