@@ -60,6 +60,14 @@ void check_bf16_rows(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be [rows, n] with contiguous rows");
 }
 
+#ifdef LORAPLANE_AVX512_BF16
+// 16 bf16 (raw bits) widened to fp32.
+__attribute__((always_inline)) inline __m512 bf16x16(const uint16_t* p) {
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+#endif
+
 void add_rms_norm_(at::Tensor& out, at::Tensor& residual, const c10::optional<at::Tensor>& delta,
                    const at::Tensor& weight, double eps) {
   check_bf16_rows(out, "out");
@@ -82,6 +90,32 @@ void add_rms_norm_(at::Tensor& out, at::Tensor& residual, const c10::optional<at
   at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       uint16_t* ri = r + i * sr;
+#ifdef LORAPLANE_AVX512_BF16
+      // two passes of 16 lanes: the add (rounded to bf16 as torch's) with the sum of squares,
+      // then the normed row times the weight; the scalar passes below took ~2x as long
+      if (n % 16 == 0) {
+        const uint16_t* di = d != nullptr ? d + i * sd : nullptr;
+        __m512 sq = _mm512_setzero_ps();
+        for (int64_t j = 0; j < n; j += 16) {
+          __m512 x = bf16x16(ri + j);
+          if (di != nullptr) {
+            const __m256i sum = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(x, bf16x16(di + j)));
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(ri + j), sum);
+            x = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(sum), 16));
+          }
+          sq = _mm512_fmadd_ps(x, x, sq);
+        }
+        const __m512 inv = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(sq) / static_cast<float>(n) + feps));
+        uint16_t* oi = o + i * so;
+        for (int64_t j = 0; j < n; j += 16) {
+          const __m256i normed = (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(bf16x16(ri + j), inv));
+          const __m512 nf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(normed), 16));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(oi + j),
+                              (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(bf16x16(w + j), nf)));
+        }
+        continue;
+      }
+#endif
       if (d != nullptr) {
         const uint16_t* di = d + i * sd;
 #pragma omp simd
