@@ -20,9 +20,9 @@
 // per instruction, the accumulators of up to 4 heads in registers. The first version of this
 // kernel summed each dot product on its own, assembled the weight pairs in scalar code and left
 // its P V accumulators to the compiler, which kept them on the stack: 64 sequences of ~140
-// tokens, one layer, 2 threads went 284 -> 214 us with the bytes in cache, 401 -> 392 us
-// (consecutive blocks) and 582 -> 507 us (scattered) from memory; in workload (b) of
-// bench/multi_lora.py decode attention went 5.1 -> 4.7 s. Out of cache it runs at ~17 GB/s,
+// tokens, one layer, 2 threads, both versions in one process on a busy machine, went 406 -> 242 us
+// with the bytes in cache, 490 -> 416 us (consecutive blocks) and 711 -> 535 us (scattered) from
+// memory; in workload (b) of bench/multi_lora.py decode attention went 5.1 -> 4.7 s. Out of cache it runs at ~17 GB/s,
 // against ~31 GB/s for a plain sequential read with 2 threads here: the rest is memory.
 //
 // Registered as torch.ops.loraplane.paged_decode_attention_ (in-place on `out`); write_kv_ (at the
