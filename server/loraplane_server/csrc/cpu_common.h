@@ -72,11 +72,15 @@ __attribute__((always_inline)) inline __m512i load32_bf16(const c10::BFloat16* p
   return _mm512_maskz_loadu_epi16(static_cast<__mmask32>((1ull << n) - 1), p);
 }
 
-// 16 bf16 from p widened to fp32 (a 16-bit shift); past n (< 16) the lanes are zero.
-__attribute__((always_inline)) inline __m512 load16_bf16_as_f32(const c10::BFloat16* p, int64_t n) {
-  const __m256i bits = n >= 16 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
-                               : _mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << n) - 1), p);
+// 16 bf16 (their bits) widened to fp32: a 16-bit shift.
+__attribute__((always_inline)) inline __m512 bf16x16_to_f32(__m256i bits) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+// 16 bf16 from p widened to fp32; past n (< 16) the lanes are zero.
+__attribute__((always_inline)) inline __m512 load16_bf16_as_f32(const c10::BFloat16* p, int64_t n) {
+  return bf16x16_to_f32(n >= 16 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
+                                : _mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << n) - 1), p));
 }
 
 // exp(x) for x <= 0 on 16 lanes (softmax weights): 2^n * e^r with |r| <= ln2/2 (degree-6 Taylor,

@@ -61,10 +61,9 @@ void check_bf16_rows(const at::Tensor& t, const char* name) {
 }
 
 #ifdef LORAPLANE_AVX512_BF16
-// 16 bf16 (raw bits) widened to fp32.
+// 16 bf16 (raw bits) from p widened to fp32.
 __attribute__((always_inline)) inline __m512 bf16x16(const uint16_t* p) {
-  return _mm512_castsi512_ps(
-      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+  return loraplane_cpu::load16_bf16_as_f32(reinterpret_cast<const c10::BFloat16*>(p), 16);
 }
 #endif
 
@@ -101,7 +100,7 @@ void add_rms_norm_(at::Tensor& out, at::Tensor& residual, const c10::optional<at
           if (di != nullptr) {
             const __m256i sum = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(x, bf16x16(di + j)));
             _mm256_storeu_si256(reinterpret_cast<__m256i*>(ri + j), sum);
-            x = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(sum), 16));
+            x = loraplane_cpu::bf16x16_to_f32(sum);
           }
           sq = _mm512_fmadd_ps(x, x, sq);
         }
@@ -109,7 +108,7 @@ void add_rms_norm_(at::Tensor& out, at::Tensor& residual, const c10::optional<at
         uint16_t* oi = o + i * so;
         for (int64_t j = 0; j < n; j += 16) {
           const __m256i normed = (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(bf16x16(ri + j), inv));
-          const __m512 nf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(normed), 16));
+          const __m512 nf = loraplane_cpu::bf16x16_to_f32(normed);
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(oi + j),
                               (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(bf16x16(w + j), nf)));
         }

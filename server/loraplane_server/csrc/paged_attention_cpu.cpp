@@ -5,8 +5,8 @@
 // the padding. This kernel reads each sequence's keys and values once, block by block, with an
 // online softmax, so the step costs one pass over the bytes the batch actually attends to.
 //
-// Work items are (sequence, kv head) pairs, spread over torch's intra-op thread pool
-// (at::parallel_for), so torch.set_num_threads governs it like any other op. The query heads of
+// Work items are (sequence, kv head) pairs, spread over torch's intra-op thread pool in ranges of
+// about equal context (parallel_by_cost), so torch.set_num_threads governs it like any other op. The query heads of
 // one kv group (GQA) share each key/value row while it is in cache. While a thread works through
 // one sequence's kv heads, it streams the whole blocks of the sequence two places later into L2,
 // a few lines per 16 tokens (bf16 kernel, `Trickle`): with the cache out of L3 (30 layers, 64
@@ -22,8 +22,9 @@
 // its P V accumulators to the compiler, which kept them on the stack: 64 sequences of ~140
 // tokens, one layer, 2 threads, both versions in one process on a busy machine, went 406 -> 242 us
 // with the bytes in cache, 490 -> 416 us (consecutive blocks) and 711 -> 535 us (scattered) from
-// memory; in workload (b) of bench/multi_lora.py decode attention went 5.1 -> 4.7 s. Out of cache it runs at ~17 GB/s,
-// against ~31 GB/s for a plain sequential read with 2 threads here: the rest is memory.
+// memory; in workload (b) of bench/multi_lora.py decode attention went 5.1 -> 4.7 s. Out of
+// cache it runs at ~17 GB/s, against ~31 GB/s for a plain sequential read with 2 threads here:
+// the rest is memory.
 //
 // Registered as torch.ops.loraplane.paged_decode_attention_ (in-place on `out`); write_kv_ (at the
 // end) puts a step's keys and values into the cache.
