@@ -101,8 +101,7 @@ class ModelRunner:
     ) -> LoRABatch | None:
         if self.lora_slots is None or all(s.lora_slot is None for s, _ in decodes + prefills):
             return None
-        none = self.lora_slots.none_slot
-        decode_slots = [none if s.lora_slot is None else s.lora_slot for s, _ in decodes]
+        decode_slots = self._row_slots([s for s, _ in decodes])
         segments: list[tuple[int, int, int]] = []
         for (seq, _), chunk in zip(prefills, chunks, strict=True):
             if seq.lora_slot is None:
@@ -115,11 +114,16 @@ class ModelRunner:
         lora = LoRABatch(self.lora_slots, decode_slots, segments, self.device, self.use_triton, num_tokens)
         return None if lora.is_empty else lora
 
+    def _row_slots(self, seqs: list[Sequence]) -> list[int]:
+        """Each sequence's adapter slot, the slots' none_slot for the base model."""
+        assert self.lora_slots is not None
+        none = self.lora_slots.none_slot
+        return [none if s.lora_slot is None else s.lora_slot for s in seqs]
+
     def _rows_lora_batch(self, samplers: list[Sequence]) -> LoRABatch | None:
         """The adapters of the logits rows (one per sampling sequence, in order), each row on its own."""
         assert self.lora_slots is not None
-        none = self.lora_slots.none_slot
-        rows = [none if s.lora_slot is None else s.lora_slot for s in samplers]
+        rows = self._row_slots(samplers)
         lora = LoRABatch(self.lora_slots, rows, [], self.device, self.use_triton, len(rows))
         return None if lora.is_empty else lora
 
