@@ -90,6 +90,37 @@ def test_thread_count_does_not_change_the_result() -> None:
         assert torch.equal(one, many), rows
 
 
+@pytest.mark.parametrize("rows", [1, 4, 5, 16, 17, 64, 65, 130, 1100])
+@pytest.mark.parametrize(("k", "inter"), [(576, 1536), (576, 37), (100, 50), (17, 24)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_fused_silu_equals_the_two_ops(rows: int, k: int, inter: int, with_bias: bool) -> None:
+    """linear_silu_mul (the MLP's gate_up GEMM with SiLU-and-multiply in its epilogue) gives the same
+    bits as linear_ then silu_mul_, on the GEMM path (tiles of gate rows with their up rows, a tail
+    of single pairs), below it (4 rows and fewer) and for an odd K; and stays within bf16 rounding
+    of the fp32 reference computed from the bf16-rounded gate and up."""
+    gen = torch.Generator().manual_seed(rows * 7 + k + inter)
+    x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
+    w = (torch.randn(2 * inter, k, generator=gen) / k**0.5).to(torch.bfloat16)
+    b = torch.randn(2 * inter, generator=gen).to(torch.bfloat16) if with_bias else None
+    fused = cpu_kernels.linear_silu_mul(x, w, b)
+    gate_up = cpu_kernels.linear(x, w, b)
+    assert fused.shape == (rows, inter) and torch.equal(fused, cpu_kernels.silu_mul(gate_up))
+    gate, up = gate_up.float().split(inter, dim=-1)
+    assert within_bf16_rounding(fused, F.silu(gate) * up)
+
+
+def test_fused_silu_on_strided_rows_and_other_dtypes() -> None:
+    wide = torch.randn(70, 700).to(torch.bfloat16)
+    x = wide[:, 51:627]  # row stride 700
+    w = (torch.randn(96, 576) / 24).to(torch.bfloat16)
+    assert torch.equal(cpu_kernels.linear_silu_mul(x, w), cpu_kernels.silu_mul(cpu_kernels.linear(x, w)))
+    xf, wf = torch.randn(9, 40), torch.randn(20, 40)
+    gate, up = F.linear(xf, wf).split(10, dim=-1)
+    assert torch.allclose(cpu_kernels.linear_silu_mul(xf, wf), F.silu(gate) * up)
+    with pytest.raises(RuntimeError, match="out must be"):
+        torch.ops.loraplane.linear_silu_mul_(torch.empty(9, 20), xf, wf, None)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("linear", ["cpu_kernel", "torch"])
 def test_bf16_engine_follows_the_fp32_model(linear: str, smollm2_dir: Path) -> None:

@@ -105,6 +105,13 @@ __attribute__((always_inline)) inline __m512 exp_nonpositive(__m512 x) {
 __attribute__((always_inline)) inline __m512 exp_clamped16(__m512 x) {
   return exp_nonpositive(_mm512_min_ps(x, _mm512_set1_ps(88.f)));
 }
+
+// silu(gate) * up on 16 fp32 lanes (gate / (1 + e^-gate) * up, an exact divide), rounded to bf16
+// once: silu_mul_ and linear_silu_mul_'s epilogue share it, so the two give the same bits.
+__attribute__((always_inline)) inline __m256i silu_mul16(__m512 gate, __m512 up) {
+  const __m512 e = exp_clamped16(_mm512_sub_ps(_mm512_setzero_ps(), gate));
+  return (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_div_ps(gate, _mm512_add_ps(_mm512_set1_ps(1.f), e)), up));
+}
 #endif
 
 }  // namespace loraplane_cpu

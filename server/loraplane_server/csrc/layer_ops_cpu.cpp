@@ -192,9 +192,7 @@ void silu_mul_(at::Tensor& out, const at::Tensor& gate_up) {
         const int64_t n = std::min<int64_t>(16, I - j);
         const __m512 x = load16_bf16_as_f32(reinterpret_cast<const c10::BFloat16*>(gt + j), n);
         const __m512 up = load16_bf16_as_f32(reinterpret_cast<const c10::BFloat16*>(gt + I + j), n);
-        const __m512 e = loraplane_cpu::exp_clamped16(_mm512_sub_ps(_mm512_setzero_ps(), x));
-        const __m512 y = _mm512_mul_ps(_mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), e)), up);
-        _mm256_mask_storeu_epi16(ot + j, static_cast<__mmask16>((1u << n) - 1), (__m256i)_mm512_cvtneps_pbh(y));
+        _mm256_mask_storeu_epi16(ot + j, static_cast<__mmask16>((1u << n) - 1), loraplane_cpu::silu_mul16(x, up));
       }
 #else
 #pragma omp simd

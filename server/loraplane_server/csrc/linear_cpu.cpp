@@ -47,7 +47,9 @@ namespace {
 
 #ifdef LORAPLANE_AVX512_BF16
 using BF = c10::BFloat16;
+using loraplane_cpu::bf16x16_to_f32;
 using loraplane_cpu::load32_bf16;
+using loraplane_cpu::silu_mul16;
 
 // One 32-wide slice of K: R rows of W against MT rows of x.
 template <int R, int MT>
@@ -172,36 +174,50 @@ void pack_chunk(uint32_t* xp, const BF* x, int64_t sx, int64_t rows, int64_t K2,
 }
 
 // out[m, n + r] = x[m] . w[n + r] (+ bias) for the chunk's rows m and r < nr (<= NR).
-template <int MT, int NR>
+//
+// GLU: the tile's first NR/2 rows of W are gate rows n.., its last NR/2 the matching up rows
+// (`up` elements further on in w and bias), and out[m, n + p] = silu(gate) * up for p < nr (<=
+// NR/2). Gate and up are rounded to bf16 first, as the separate linear_ and silu_mul_ round them,
+// so fusing changes no bit of the result.
+template <int MT, int NR, bool GLU = false>
 inline void gemm_tile(BF* out, int64_t so, int64_t rows, const uint32_t* xp, const BF* w, int64_t K2, const BF* bias,
-                      int64_t nr) {
+                      int64_t nr, int64_t up = 0) {
+  constexpr int H = GLU ? NR / 2 : NR;  // rows of W per stream: one stream, or the gate and the up one
   __m512 acc[NR][MT];
 #pragma GCC unroll 16
   for (int r = 0; r < NR; ++r)
 #pragma GCC unroll 4
     for (int j = 0; j < MT; ++j) acc[r][j] = _mm512_setzero_ps();
-  const char* next = reinterpret_cast<const char*>(w + NR * 2 * K2);  // the tile after this one
+  const char* next = reinterpret_cast<const char*>(w + H * 2 * K2);  // the tile after this one
+  const char* next_up = reinterpret_cast<const char*>(w + up + H * 2 * K2);
   for (int64_t kp = 0; kp < K2; ++kp) {
-    _mm_prefetch(next + kp * NR * 4, _MM_HINT_T0);  // one tile's bytes over one tile's loop
+    _mm_prefetch(next + kp * H * 4, _MM_HINT_T0);  // one tile's bytes over one tile's loop
+    if (GLU) _mm_prefetch(next_up + kp * H * 4, _MM_HINT_T0);
     __m512i xv[MT];
 #pragma GCC unroll 4
     for (int j = 0; j < MT; ++j) xv[j] = _mm512_loadu_si512(xp + kp * MT * 16 + j * 16);
 #pragma GCC unroll 16
     for (int r = 0; r < NR; ++r) {
-      const __m512i b = _mm512_set1_epi32(static_cast<int>(load_u32(w + (r * K2 + kp) * 2)));
+      const BF* wr = GLU && r >= H ? w + up + (r - H) * 2 * K2 : w + r * 2 * K2;
+      const __m512i b = _mm512_set1_epi32(static_cast<int>(load_u32(wr + kp * 2)));
 #pragma GCC unroll 4
       for (int j = 0; j < MT; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], (__m512bh)xv[j], (__m512bh)b);
     }
   }
-  alignas(64) uint16_t tile[NR][MT * 16];
+  alignas(64) uint16_t tile[H][MT * 16];
+  const auto rounded = [&](int r, int j) {  // acc + bias, rounded to bf16
+    const BF* br = bias == nullptr ? nullptr : (GLU && r >= H ? bias + up / (2 * K2) + (r - H) : bias + r);
+    const __m512 b = br != nullptr ? _mm512_set1_ps(static_cast<float>(*br)) : _mm512_setzero_ps();
+    return (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[r][j], b));
+  };
 #pragma GCC unroll 16
-  for (int r = 0; r < NR; ++r) {
-    const __m512 b = bias != nullptr ? _mm512_set1_ps(static_cast<float>(bias[r])) : _mm512_setzero_ps();
+  for (int r = 0; r < H; ++r)
 #pragma GCC unroll 4
-    for (int j = 0; j < MT; ++j)
-      _mm256_store_si256(reinterpret_cast<__m256i*>(&tile[r][j * 16]),
-                         (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[r][j], b)));
-  }
+    for (int j = 0; j < MT; ++j) {
+      __m256i v = rounded(r, j);
+      if (GLU) v = silu_mul16(bf16x16_to_f32(v), bf16x16_to_f32(rounded(r + H, j)));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(&tile[r][j * 16]), v);
+    }
   for (int64_t m = 0; m < rows; ++m) {
     uint16_t* o = reinterpret_cast<uint16_t*>(out + m * so);
     for (int64_t r = 0; r < nr; ++r) o[r] = tile[r][m];
@@ -209,19 +225,26 @@ inline void gemm_tile(BF* out, int64_t so, int64_t rows, const uint32_t* xp, con
 }
 
 // Rows n0..n1 of W against one packed chunk, NR rows of W at a time (single rows for the tail).
-template <int MT, int NR>
+// GLU: gate rows n0..n1 with their up rows, NR/2 of each at a time (single pairs for the tail).
+template <int MT, int NR, bool GLU = false>
 void gemm_rows(BF* out, int64_t so, int64_t rows, const uint32_t* xp, const BF* w, int64_t K2, const BF* bias,
-               int64_t n0, int64_t n1) {
+               int64_t n0, int64_t n1, int64_t up = 0) {
+  constexpr int H = GLU ? NR / 2 : NR;
   int64_t n = n0;
-  for (; n + NR <= n1; n += NR)
-    gemm_tile<MT, NR>(out + n, so, rows, xp, w + n * 2 * K2, K2, bias == nullptr ? nullptr : bias + n, NR);
+  for (; n + H <= n1; n += H)
+    gemm_tile<MT, NR, GLU>(out + n, so, rows, xp, w + n * 2 * K2, K2, bias == nullptr ? nullptr : bias + n, H, up);
   for (; n < n1; ++n)
-    gemm_tile<MT, 1>(out + n, so, rows, xp, w + n * 2 * K2, K2, bias == nullptr ? nullptr : bias + n, 1);
+    gemm_tile<MT, GLU ? 2 : 1, GLU>(out + n, so, rows, xp, w + n * 2 * K2, K2, bias == nullptr ? nullptr : bias + n,
+                                    1, up);
 }
 
+// N: rows of W, or, for GLU, gate rows (W holds N gate rows, then N up rows; out is [M, N]).
+template <bool GLU = false>
 void gemm_linear(BF* out, int64_t so, const BF* x, int64_t sx, const BF* w, const BF* bias, int64_t M, int64_t K,
                  int64_t N) {
   const int64_t K2 = K / 2, chunks = (M + kChunkRows - 1) / kChunkRows;
+  const int64_t up = GLU ? N * K : 0;            // elements from a gate row of W to its up row
+  const int64_t group = GLU ? kGroupRows / 2 : kGroupRows;  // output columns per unit of parallel work
   // uninitialized: pack_chunk writes every pair of every row up to the chunk's width
   std::unique_ptr<uint32_t[]> packed(new uint32_t[static_cast<size_t>(chunks * kChunkRows * K2)]);
   at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
@@ -231,17 +254,17 @@ void gemm_linear(BF* out, int64_t so, const BF* x, int64_t sx, const BF* w, cons
     }
   });
   // each thread takes whole groups of W rows and runs them against every chunk in turn
-  at::parallel_for(0, (N + kGroupRows - 1) / kGroupRows, 1, [&](int64_t begin, int64_t end) {
-    const int64_t n0 = begin * kGroupRows, n1 = std::min(N, end * kGroupRows);
+  at::parallel_for(0, (N + group - 1) / group, 1, [&](int64_t begin, int64_t end) {
+    const int64_t n0 = begin * group, n1 = std::min(N, end * group);
     for (int64_t c = 0; c < chunks; ++c) {
       const int64_t rows = std::min(kChunkRows, M - c * kChunkRows);
       const uint32_t* xp = packed.get() + c * kChunkRows * K2;
       BF* oc = out + c * kChunkRows * so;
       switch ((rows + 15) / 16) {
-        case 4: gemm_rows<4, 6>(oc, so, rows, xp, w, K2, bias, n0, n1); break;
-        case 3: gemm_rows<3, 8>(oc, so, rows, xp, w, K2, bias, n0, n1); break;
-        case 2: gemm_rows<2, 12>(oc, so, rows, xp, w, K2, bias, n0, n1); break;
-        default: gemm_rows<1, 12>(oc, so, rows, xp, w, K2, bias, n0, n1); break;
+        case 4: gemm_rows<4, 6, GLU>(oc, so, rows, xp, w, K2, bias, n0, n1, up); break;
+        case 3: gemm_rows<3, 8, GLU>(oc, so, rows, xp, w, K2, bias, n0, n1, up); break;
+        case 2: gemm_rows<2, 12, GLU>(oc, so, rows, xp, w, K2, bias, n0, n1, up); break;
+        default: gemm_rows<1, 12, GLU>(oc, so, rows, xp, w, K2, bias, n0, n1, up); break;
       }
     }
   });
@@ -282,10 +305,53 @@ void linear_(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, const c1
   out.copy_(at::linear(x, w, bias));
 }
 
+// out: [M, I] = silu(gate) * up for [gate | up] = x W^T (+ b); w: [2I, K], gate rows first (the
+// MLP's merged gate_up layer). The GEMM path computes both halves in one tile and writes only
+// out; fewer rows, odd K and other dtypes run linear_ and then silu * up. Same bits either way.
+void linear_silu_mul_(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && out.dim() == 2 && w.size(0) % 2 == 0,
+              "linear_silu_mul_: x [M, K], w [2I, K], out [M, I]");
+  const int64_t M = x.size(0), K = x.size(1), I = w.size(0) / 2;
+  TORCH_CHECK(out.size(0) == M && out.size(1) == I, "linear_silu_mul_: out must be [", M, ", ", I, "]");
+#ifdef LORAPLANE_AVX512_BF16
+  if (x.scalar_type() == at::kBFloat16 && M > kFewRows && K % 2 == 0) {
+    TORCH_CHECK(w.size(1) == K, "linear_silu_mul_: w has ", w.size(1), " columns, x has ", K);
+    TORCH_CHECK(w.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16,
+                "linear_silu_mul_: x, w and out must share a dtype");
+    TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu() && out.device().is_cpu(),
+                "linear_silu_mul_: CPU tensors only");
+    TORCH_CHECK(x.stride(1) == 1 && out.stride(1) == 1 && w.is_contiguous(),
+                "linear_silu_mul_: rows of x and out, and all of w, must be contiguous");
+    if (bias.has_value())
+      TORCH_CHECK(bias->dim() == 1 && bias->size(0) == 2 * I && bias->is_contiguous() &&
+                      bias->scalar_type() == at::kBFloat16,
+                  "linear_silu_mul_: bias must be a bf16 [2I]");
+    if (I == 0) return;
+    gemm_linear<true>(out.data_ptr<BF>(), out.stride(0), x.data_ptr<BF>(), x.stride(0), w.data_ptr<BF>(),
+                      bias.has_value() ? bias->data_ptr<BF>() : nullptr, M, K, I);
+    return;
+  }
+#endif
+  at::Tensor gate_up = at::empty({M, 2 * I}, x.options());
+  linear_(gate_up, x, w, bias);
+  if (x.scalar_type() == at::kBFloat16) {
+    static const auto silu_mul = c10::Dispatcher::singleton()
+                                     .findSchemaOrThrow("loraplane::silu_mul_", "")
+                                     .typed<void(at::Tensor&, const at::Tensor&)>();  // layer_ops_cpu.cpp
+    silu_mul.call(out, gate_up);
+    return;
+  }
+  out.copy_(at::silu(gate_up.narrow(1, 0, I)) * gate_up.narrow(1, I, I));
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(loraplane, m) {
   m.def("linear_(Tensor(a!) out, Tensor x, Tensor w, Tensor? bias) -> ()");
+  m.def("linear_silu_mul_(Tensor(a!) out, Tensor x, Tensor w, Tensor? bias) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(loraplane, CPU, m) { m.impl("linear_", linear_); }
+TORCH_LIBRARY_IMPL(loraplane, CPU, m) {
+  m.impl("linear_", linear_);
+  m.impl("linear_silu_mul_", linear_silu_mul_);
+}

@@ -155,6 +155,14 @@ def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     torch.ops.loraplane.rotary_(q, k, cos, sin)
 
 
+def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """silu_mul(linear(x, weight, bias)) in one pass for weight = [gate; up] ([2I, K]) -> [M, I]: the
+    GEMM's tile holds both halves, so the [M, 2I] product is never written (same bits as the two ops)."""
+    out = torch.empty(x.shape[0], weight.shape[0] // 2, dtype=x.dtype, device=x.device)
+    torch.ops.loraplane.linear_silu_mul_(out, x, weight, bias)
+    return out
+
+
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for gate_up = [gate | up] (bf16 [T, 2I]) -> [T, I]."""
     out = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2, dtype=gate_up.dtype, device=gate_up.device)

@@ -77,6 +77,10 @@ class LoRABatch:
     def is_empty(self) -> bool:
         return not self.kinds
 
+    def targets(self, layer: ProjectionLinear) -> bool:
+        """Whether some adapter of this step adds a delta to `layer`'s output."""
+        return layer.kind in self.kinds
+
     def apply(self, layer: ProjectionLinear, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """out [T, out] += the LoRA delta of every token's adapter for this merged layer."""
         if layer.kind not in self.kinds:
