@@ -83,6 +83,16 @@ __attribute__((always_inline)) inline __m512 load16_bf16_as_f32(const c10::BFloa
                                 : _mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << n) - 1), p));
 }
 
+// 32 sums accumulated over pairs that unpacklo/hi_epi16 interleaved (lo's element e is value
+// 8(e/4) + e%4, hi's element e value 8(e/4) + 4 + e%4), rounded to bf16 (nearest even) and stored
+// in value order: one permute, where the scalar stores cost ~10 instructions a value.
+__attribute__((always_inline)) inline void store_unpacked32_bf16(c10::BFloat16* out, __m512 lo, __m512 hi,
+                                                                __mmask32 mask = ~__mmask32(0)) {
+  const __m512i order = _mm512_set_epi32(0x1f001e, 0x1d001c, 0xf000e, 0xd000c, 0x1b001a, 0x190018, 0xb000a, 0x90008,
+                                         0x170016, 0x150014, 0x70006, 0x50004, 0x130012, 0x110010, 0x30002, 0x10000);
+  _mm512_mask_storeu_epi16(out, mask, _mm512_permutexvar_epi16(order, (__m512i)_mm512_cvtne2ps_pbh(hi, lo)));
+}
+
 // exp(x) for x <= 0 on 16 lanes (softmax weights): 2^n * e^r with |r| <= ln2/2 (degree-6 Taylor,
 // rel. error < 2e-7); below -87 it gives ~1e-38, as exp_clamped does.
 __attribute__((always_inline)) inline __m512 exp_nonpositive(__m512 x) {

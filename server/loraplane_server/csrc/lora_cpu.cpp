@@ -63,24 +63,16 @@ inline void shrink(const BF* x, const BF* a, int64_t K, int64_t nr, float* h) {
   for (; j < nr; ++j) shrink_rows<1>(x, a + j * K, K, h + j);
 }
 
-// Column c's position in cvtne2ps_pbh(hi, lo) of two vectors accumulated over unpacklo/hi_epi16
-// pairs: lo's element e holds column 8(e/4) + e%4, hi's element e column 8(e/4) + 4 + e%4.
-inline __m512i unpacked_column_order() {
-  alignas(64) uint16_t idx[32];
-  for (int c = 0; c < 32; ++c) idx[c] = static_cast<uint16_t>((c % 8 < 4 ? 0 : 16) + 4 * (c / 8) + c % 4);
-  return _mm512_load_si512(idx);
-}
-
 // out[n] += sum_j h[j] bt[j * ldb + n] for n < N, j < nr. Rank rows go two at a time: their values
 // interleaved into (row j, row j + 1) pairs by unpacklo/hi_epi16, one vdpbf16ps multiplies 16
 // columns by the pair (h[j], h[j + 1]) rounded to bf16 (as torch's bf16 matmuls round h): 2
 // instructions per 32 products, where widening B to fp32 for an FMA took 4 per 16. The output's
 // bits go through the same unpack, so they line up with the accumulators; one permute restores
-// the column order, and each sum is rounded once. Each pass keeps its 2 NV accumulators in
+// the column order (store_unpacked32_bf16), and each sum is rounded once. Each pass keeps its 2 NV accumulators in
 // registers (a pass width known at compile time; with a runtime one they lived on the stack).
 template <int NV>  // NV vectors of 32 columns from n0: width = columns left (the last vector may be partial)
 __attribute__((always_inline)) inline void expand_pass(BF* out, const float* h, const BF* bt, int64_t ldb, int64_t width,
-                                                       int64_t nr, __m512i order) {
+                                                       int64_t nr) {
   const __m512i zero = _mm512_setzero_si512();
   __m512 lo[NV], hi[NV];
 #pragma GCC unroll 4
@@ -106,19 +98,17 @@ __attribute__((always_inline)) inline void expand_pass(BF* out, const float* h, 
     const __m512i bits = load32_bf16(o, left);  // as fp32: each bf16 in the high half of a 32-bit lane
     const __m512 sum_lo = _mm512_add_ps(lo[v], _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, bits)));
     const __m512 sum_hi = _mm512_add_ps(hi[v], _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, bits)));
-    const __m512i rounded = _mm512_permutexvar_epi16(order, (__m512i)_mm512_cvtne2ps_pbh(sum_hi, sum_lo));
-    _mm512_mask_storeu_epi16(o, static_cast<__mmask32>((1ull << left) - 1), rounded);
+    loraplane_cpu::store_unpacked32_bf16(o, sum_lo, sum_hi, static_cast<__mmask32>((1ull << left) - 1));
   }
 }
 
 inline void expand(BF* out, const float* h, const BF* bt, int64_t ldb, int64_t N, int64_t nr) {
-  static const __m512i order = unpacked_column_order();
   int64_t n0 = 0;
-  for (; n0 + 128 <= N; n0 += 128) expand_pass<4>(out + n0, h, bt + n0, ldb, 128, nr, order);
+  for (; n0 + 128 <= N; n0 += 128) expand_pass<4>(out + n0, h, bt + n0, ldb, 128, nr);
   switch ((N - n0 + 31) / 32) {
-    case 3: expand_pass<3>(out + n0, h, bt + n0, ldb, N - n0, nr, order); break;
-    case 2: expand_pass<2>(out + n0, h, bt + n0, ldb, N - n0, nr, order); break;
-    case 1: expand_pass<1>(out + n0, h, bt + n0, ldb, N - n0, nr, order); break;
+    case 3: expand_pass<3>(out + n0, h, bt + n0, ldb, N - n0, nr); break;
+    case 2: expand_pass<2>(out + n0, h, bt + n0, ldb, N - n0, nr); break;
+    case 1: expand_pass<1>(out + n0, h, bt + n0, ldb, N - n0, nr); break;
     default: break;
   }
 }

@@ -420,17 +420,12 @@ void decode_kernel_bf16(c10::BFloat16* out, const c10::BFloat16* q, const c10::B
         }
       }
       for (int64_t g = 0; g < group; ++g) {
-        alignas(64) float row[HD];
         const __m512 inv = _mm512_set1_ps(l[g] > 0.f ? 1.f / l[g] : 0.f);
-        for (int64_t c = 0; c < C; ++c) _mm512_store_ps(row + c * 16, _mm512_mul_ps(accbuf[g * C + c], inv));
         // undo the interleave: accumulator 2c (2c+1) lane i holds dim 32c + 8(i/4) + i%4 (+4)
         BF* o = out + s * out_stride + (kvh * group + g) * HD;
         for (int64_t c = 0; c < C2; ++c)
-          for (int64_t i = 0; i < 16; ++i) {
-            const int64_t d = 32 * c + 8 * (i / 4) + i % 4;
-            o[d] = static_cast<BF>(row[32 * c + i]);
-            o[d + 4] = static_cast<BF>(row[32 * c + 16 + i]);
-          }
+          loraplane_cpu::store_unpacked32_bf16(o + 32 * c, _mm512_mul_ps(accbuf[g * C + 2 * c], inv),
+                                               _mm512_mul_ps(accbuf[g * C + 2 * c + 1], inv));
       }
     }
   });

@@ -201,12 +201,10 @@ void prefill_kernel(BF* out, int64_t out_stride, const BF* q, int64_t q_stride, 
         const float* ar = acc.data() + r * HD;
         BF* o = out + i * out_stride + h * HD;
         // undo the interleave: accumulator 2c (2c+1) lane x holds dim 32c + 8(x/4) + x%4 (+4)
+        const __m512 iv = _mm512_set1_ps(inv);
         for (int64_t c = 0; c < C2; ++c)
-          for (int64_t x = 0; x < 16; ++x) {
-            const int64_t d = 32 * c + 8 * (x / 4) + x % 4;
-            o[d] = BF(ar[32 * c + x] * inv);
-            o[d + 4] = BF(ar[32 * c + 16 + x] * inv);
-          }
+          loraplane_cpu::store_unpacked32_bf16(o + 32 * c, _mm512_mul_ps(_mm512_loadu_ps(ar + 32 * c), iv),
+                                               _mm512_mul_ps(_mm512_loadu_ps(ar + 32 * c + 16), iv));
       }
     }
   });
