@@ -28,8 +28,12 @@
 // result does not depend on which other rows share the call. Rows of W are spread over torch's
 // intra-op pool.
 //
-// Registered as torch.ops.loraplane.linear_ (in-place on `out`). Builds without AVX512-BF16 and
-// other dtypes run the same op over at::linear, so callers never need to ask.
+// The MLP's gate_up layer has a fused form, linear_silu_mul_: each GEMM tile takes gate rows with
+// their up rows and writes silu(gate) * up, so the [M, 2I] product never goes to memory and no
+// separate pass reads it back (64 rows: 564 -> 553 us a layer; 300 rows: 2.82 -> 2.64 ms).
+//
+// Registered as torch.ops.loraplane.linear_ and linear_silu_mul_ (in-place on `out`). Builds
+// without AVX512-BF16 and other dtypes run the same ops over at::linear, so callers never need to ask.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
