@@ -22,6 +22,7 @@
 #include <torch/library.h>
 
 #include "cpu_common.h"
+#include "ops.h"
 
 #include <algorithm>
 #include <cmath>
@@ -66,6 +67,10 @@ __attribute__((always_inline)) inline __m512 bf16x16(const uint16_t* p) {
   return loraplane_cpu::load16_bf16_as_f32(reinterpret_cast<const c10::BFloat16*>(p), 16);
 }
 #endif
+
+}  // namespace
+
+namespace loraplane_cpu {
 
 void add_rms_norm_(at::Tensor& out, at::Tensor& residual, const c10::optional<at::Tensor>& delta,
                    const at::Tensor& weight, double eps) {
@@ -239,7 +244,7 @@ void argmax_rows_(at::Tensor& out, const at::Tensor& logits) {
   });
 }
 
-}  // namespace
+}  // namespace loraplane_cpu
 
 TORCH_LIBRARY_FRAGMENT(loraplane, m) {
   m.def("add_rms_norm_(Tensor(a!) out, Tensor(b!) residual, Tensor? delta, Tensor weight, float eps) -> ()");
@@ -249,8 +254,8 @@ TORCH_LIBRARY_FRAGMENT(loraplane, m) {
 }
 
 TORCH_LIBRARY_IMPL(loraplane, CPU, m) {
-  m.impl("add_rms_norm_", add_rms_norm_);
-  m.impl("rotary_", rotary_);
-  m.impl("silu_mul_", silu_mul_);
-  m.impl("argmax_rows_", argmax_rows_);
+  m.impl("add_rms_norm_", loraplane_cpu::add_rms_norm_);
+  m.impl("rotary_", loraplane_cpu::rotary_);
+  m.impl("silu_mul_", loraplane_cpu::silu_mul_);
+  m.impl("argmax_rows_", loraplane_cpu::argmax_rows_);
 }

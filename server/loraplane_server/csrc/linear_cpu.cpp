@@ -41,6 +41,7 @@
 #include <torch/library.h>
 
 #include "cpu_common.h"
+#include "ops.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -275,6 +276,10 @@ void gemm_linear(BF* out, int64_t so, const BF* x, int64_t sx, const BF* w, cons
 }
 #endif
 
+}  // namespace
+
+namespace loraplane_cpu {
+
 // out: [M, N], x: [M, K] (rows may be strided), w: [N, K] contiguous, bias: [N] or none; one dtype.
 void linear_(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu() && out.device().is_cpu(), "linear_: CPU tensors only");
@@ -348,7 +353,7 @@ void linear_silu_mul_(at::Tensor& out, const at::Tensor& x, const at::Tensor& w,
   out.copy_(at::silu(gate_up.narrow(1, 0, I)) * gate_up.narrow(1, I, I));
 }
 
-}  // namespace
+}  // namespace loraplane_cpu
 
 TORCH_LIBRARY_FRAGMENT(loraplane, m) {
   m.def("linear_(Tensor(a!) out, Tensor x, Tensor w, Tensor? bias) -> ()");
@@ -356,6 +361,6 @@ TORCH_LIBRARY_FRAGMENT(loraplane, m) {
 }
 
 TORCH_LIBRARY_IMPL(loraplane, CPU, m) {
-  m.impl("linear_", linear_);
-  m.impl("linear_silu_mul_", linear_silu_mul_);
+  m.impl("linear_", loraplane_cpu::linear_);
+  m.impl("linear_silu_mul_", loraplane_cpu::linear_silu_mul_);
 }

@@ -27,6 +27,7 @@
 #include <torch/library.h>
 
 #include "cpu_common.h"
+#include "ops.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -166,6 +167,10 @@ int64_t check_slots_and_bounds(const char* op, const at::Tensor& slots, int64_t 
   return P;
 }
 
+}  // namespace
+
+namespace loraplane_cpu {
+
 // out: [B, N] (rows may be strided), x: [B, K] (rows may be strided), a: [S, W, K], bt: [S, W, N]
 // (contiguous per slot), slots: [B] int64, proj_rows: [S, P, 2] int64 (first rank row, rows) per
 // slot and projection, out_bounds: [P + 1] int64 (projection p owns out columns [out_bounds[p], out_bounds[p+1])).
@@ -271,7 +276,7 @@ void bgmv_packed_(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed
 #endif
 }
 
-}  // namespace
+}  // namespace loraplane_cpu
 
 TORCH_LIBRARY_FRAGMENT(loraplane, m) {
   m.def(
@@ -283,6 +288,6 @@ TORCH_LIBRARY_FRAGMENT(loraplane, m) {
 }
 
 TORCH_LIBRARY_IMPL(loraplane, CPU, m) {
-  m.impl("bgmv_", bgmv_);
-  m.impl("bgmv_packed_", bgmv_packed_);
+  m.impl("bgmv_", loraplane_cpu::bgmv_);
+  m.impl("bgmv_packed_", loraplane_cpu::bgmv_packed_);
 }

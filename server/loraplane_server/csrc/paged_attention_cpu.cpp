@@ -37,6 +37,7 @@
 #include <torch/library.h>
 
 #include "cpu_common.h"
+#include "ops.h"
 
 #include <algorithm>
 #include <cmath>
@@ -432,6 +433,10 @@ void decode_kernel_bf16(c10::BFloat16* out, const c10::BFloat16* q, const c10::B
 }
 #endif
 
+}  // namespace
+
+namespace loraplane_cpu {
+
 // out, q: [S, H, D] (rows may be strided, heads and dims contiguous); caches: [N, B, KVH, D]
 // contiguous within a block; block_tables: [S, W] int64; context_lens: [S] int64 (>= 1).
 void paged_decode_attention_(
@@ -537,7 +542,7 @@ void write_kv_(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k, co
   });
 }
 
-}  // namespace
+}  // namespace loraplane_cpu
 
 TORCH_LIBRARY(loraplane, m) {
   m.def(
@@ -547,6 +552,6 @@ TORCH_LIBRARY(loraplane, m) {
 }
 
 TORCH_LIBRARY_IMPL(loraplane, CPU, m) {
-  m.impl("paged_decode_attention_", paged_decode_attention_);
-  m.impl("write_kv_", write_kv_);
+  m.impl("paged_decode_attention_", loraplane_cpu::paged_decode_attention_);
+  m.impl("write_kv_", loraplane_cpu::write_kv_);
 }

@@ -29,6 +29,7 @@
 #include <torch/library.h>
 
 #include "cpu_common.h"
+#include "ops.h"
 
 #include <algorithm>
 #include <cmath>
@@ -211,6 +212,10 @@ void prefill_kernel(BF* out, int64_t out_stride, const BF* q, int64_t q_stride, 
 }
 #endif
 
+}  // namespace
+
+namespace loraplane_cpu {
+
 // out, q: [n, H, D] (rows may be strided; heads and dims contiguous), bf16; caches [N, B, KVH, D];
 // block_table: [W] int64 covering ctx + n tokens; ctx: tokens cached before the chunk.
 void paged_prefill_attention_(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
@@ -265,7 +270,7 @@ void paged_prefill_attention_(at::Tensor& out, const at::Tensor& q, const at::Te
 #endif
 }
 
-}  // namespace
+}  // namespace loraplane_cpu
 
 TORCH_LIBRARY_FRAGMENT(loraplane, m) {
   m.def(
@@ -273,4 +278,4 @@ TORCH_LIBRARY_FRAGMENT(loraplane, m) {
       "int ctx, float scale) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(loraplane, CPU, m) { m.impl("paged_prefill_attention_", paged_prefill_attention_); }
+TORCH_LIBRARY_IMPL(loraplane, CPU, m) { m.impl("paged_prefill_attention_", loraplane_cpu::paged_prefill_attention_); }

@@ -34,9 +34,10 @@ SOURCE_NAMES = (
     "linear_cpu.cpp",
     "layer_ops_cpu.cpp",
     "lora_cpu.cpp",
+    "decoder_layer_cpu.cpp",
 )
 SOURCES = tuple(CSRC / name for name in SOURCE_NAMES)
-HEADERS = (CSRC / "cpu_common.h",)  # included by the sources: part of the build key
+HEADERS = (CSRC / "cpu_common.h", CSRC / "ops.h")  # included by the sources: part of the build key
 # up to this many rows of x, the kernel's linear beats torch's bf16 GEMM on the CPU (bench/linear.py)
 LINEAR_MAX_ROWS = 1024
 # -fopenmp: at::parallel_for is an OpenMP pragma in torch's headers; without it the kernel runs on
@@ -100,6 +101,7 @@ def load() -> bool:
                 "argmax_rows_",
                 "bgmv_",
                 "bgmv_packed_",
+                "decoder_layer_",
             )
             _state.update(ok=all(hasattr(torch.ops.loraplane, op) for op in ops), error=None)
         except Exception as error:  # no compiler, no ninja, a build error: keep the torch path
@@ -179,7 +181,11 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
 
 def prefill_kernel_applies(q: torch.Tensor) -> bool:
     """Whether paged_prefill_attention covers q: bf16, head_dim 64 or 128, a CPU with AVX512-BF16."""
-    return q.dtype == torch.bfloat16 and q.shape[-1] in (64, 128) and "avx512_bf16" in _cpu_flags()
+    return prefill_kernel_applies_to(q.dtype, q.shape[-1])
+
+
+def prefill_kernel_applies_to(dtype: torch.dtype, head_dim: int) -> bool:
+    return dtype == torch.bfloat16 and head_dim in (64, 128) and "avx512_bf16" in _cpu_flags()
 
 
 def paged_prefill_attention(
@@ -225,3 +231,31 @@ def bgmv_packed_(
     """bgmv_ over the packed layout: packed [S, C] bf16, slot s holding for each projection p it targets
     A_p [rank_p, K] then B_p^T [rank_p, width_p] back to back; proj [S, P, 2] int64 = (offset of A_p, rank_p)."""
     torch.ops.loraplane.bgmv_packed_(out, x, packed, slots, proj, out_bounds, skip_slot)
+
+
+def decoder_layer(
+    x: torch.Tensor,
+    h: torch.Tensor,
+    weights: list[torch.Tensor | None],
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    step: list[torch.Tensor | None],
+    chunk_tables: list[torch.Tensor],
+    chunks: list[int],
+    lora: list[torch.Tensor | None],
+    num_decode: int,
+    heads: tuple[int, int],
+    scale: float,
+    eps: tuple[float, float],
+    skip_slot: int,
+) -> torch.Tensor:
+    """One decoder layer (csrc/decoder_layer_cpu.cpp): x [T, hidden] += attention and MLP (in place);
+    returns the next layer's normed input. weights: qkv_w, qkv_b, o_w, post_norm_w, gate_up_w,
+    gate_up_b, down_w, down_b, next_norm_w; step: cos, sin, slot_mapping, decode block tables,
+    decode context lengths, LoRA row slots; chunks: (query_start, tokens, context) per prefill chunk;
+    lora: (packed, proj, out_bounds) for qkv, o, gate_up, down (None where not targeted);
+    num_decode: the decode rows (first in x); heads: (num_heads, num_kv_heads); eps: (the post-attention
+    norm's, the next norm's)."""
+    return torch.ops.loraplane.decoder_layer_(
+        x, h, weights, k_cache, v_cache, step, chunk_tables, chunks, lora, num_decode, *heads, scale, *eps, skip_slot
+    )

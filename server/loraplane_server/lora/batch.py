@@ -81,6 +81,22 @@ class LoRABatch:
         """Whether some adapter of this step adds a delta to `layer`'s output."""
         return layer.kind in self.kinds
 
+    KERNEL_KINDS = ("qkv", "o", "gate_up", "down")  # the order of cpu_kernels.decoder_layer's lora list
+
+    def layer_args(self, layer_idx: int) -> list[torch.Tensor | None]:
+        """cpu_kernels.decoder_layer's lora list for layer `layer_idx` (packed slots): bgmv_packed_'s
+        (packed, proj, out_bounds) for each kind some adapter of the step targets, None for the others."""
+        if self.row_slots is None:
+            raise RuntimeError("the fused decoder layer needs packed LoRA slots")
+        args: list[torch.Tensor | None] = []
+        for kind in self.KERNEL_KINDS:
+            if kind in self.kinds:
+                packed = self.slots.packed[kind][layer_idx]
+                args += [packed, self.slots.packed_rows[kind][layer_idx], self.slots.out_bounds[kind]]
+            else:
+                args += [None, None, None]
+        return args
+
     def apply(self, layer: ProjectionLinear, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """out [T, out] += the LoRA delta of every token's adapter for this merged layer."""
         if layer.kind not in self.kinds:

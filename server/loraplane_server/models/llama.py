@@ -6,6 +6,7 @@ Every projection an adapter may target (q, k, v, o, gate, up, down) is a Project
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +18,9 @@ from loraplane_server.layers.attention import paged_attention
 from loraplane_server.layers.linear import ProjectionLinear, base_linear
 from loraplane_server.layers.norm import RMSNorm
 from loraplane_server.layers.rotary import RotaryEmbedding, apply_rotary
+
+if TYPE_CHECKING:
+    from loraplane_server.lora.batch import LoRABatch
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -126,6 +130,17 @@ class MLP(nn.Module):
         return self.down(F.silu(gate) * up, batch)
 
 
+@dataclass
+class FusedStep:
+    """One step's arguments to cpu_kernels.decoder_layer that every layer shares."""
+
+    step: list[torch.Tensor | None]  # cos, sin, slot_mapping, decode tables, decode lengths, LoRA row slots
+    chunk_tables: list[torch.Tensor]
+    chunks: list[int]  # (query_start, tokens, context) per prefill chunk
+    lora: LoRABatch | None
+    skip_slot: int
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, args: ModelArgs, layer_idx: int) -> None:
         super().__init__()
@@ -157,8 +172,52 @@ class DecoderLayer(nn.Module):
             return x.add_(m)
         return next_norm.add_forward(x, m, batch.layer_kernels)
 
+    def fused(
+        self,
+        x: torch.Tensor,
+        h: torch.Tensor,
+        kv_cache: torch.Tensor,
+        batch: ForwardBatch,
+        next_norm: RMSNorm,
+        f: FusedStep,
+    ) -> torch.Tensor:
+        """forward() for a layer before the last, as one call to the CPU kernels (bf16): the same kernels
+        in the same order, the same bits (tests/test_cpu_decoder_layer.py)."""
+        attn, mlp = self.self_attn, self.mlp
+        weights = [
+            attn.qkv.weight,
+            attn.qkv.bias,
+            attn.o.weight,
+            self.post_attention_layernorm.weight,
+            mlp.gate_up.weight,
+            mlp.gate_up.bias,
+            mlp.down.weight,
+            mlp.down.bias,
+            next_norm.weight,
+        ]
+        lora = f.lora.layer_args(attn.layer_idx) if f.lora is not None else [None] * 12
+        return cpu_kernels.decoder_layer(
+            x,
+            h,
+            weights,
+            kv_cache[0],
+            kv_cache[1],
+            f.step,
+            f.chunk_tables,
+            f.chunks,
+            lora,
+            batch.num_decode_tokens,
+            (attn.num_heads, attn.num_kv_heads),
+            attn.scale,
+            (self.post_attention_layernorm.eps, next_norm.eps),
+            f.skip_slot,
+        )
+
 
 class LlamaForCausalLM(nn.Module):
+    # layers before the last through cpu_kernels.decoder_layer where it applies (off: the Python layers)
+    fuse_layers: bool = True
+
     def __init__(self, args: ModelArgs, max_positions: int) -> None:
         super().__init__()
         self.args = args
@@ -180,8 +239,11 @@ class LlamaForCausalLM(nn.Module):
         h = self.layers[0].input_layernorm.add_forward(x, None, kernels)
         last = len(self.layers) - 1
         rows = batch.logits_rows_batch() if batch.prunes_last_layer else None
+        fused = self._fused_step(batch, cos_sin) if kernels and self.fuse_layers else None
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            if i < last:
+            if i < last and fused is not None:
+                h = layer.fused(x, h, kv_cache, batch, self.layers[i + 1].input_layernorm, fused)
+            elif i < last:
                 h = layer(x, h, cos_sin, kv_cache, batch, self.layers[i + 1].input_layernorm)
             else:
                 h = layer(x, h, cos_sin, kv_cache, batch, None, rows)
@@ -190,6 +252,21 @@ class LlamaForCausalLM(nn.Module):
         h = self.norm.add_forward(h.contiguous(), None, kernels)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return base_linear(h, weight, None, batch.layer_kernels)
+
+    def _fused_step(self, batch: ForwardBatch, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> FusedStep | None:
+        """The step's arguments to cpu_kernels.decoder_layer, or None where the fused layer does not
+        apply (the Python layers then run the same kernels one by one)."""
+        lora = batch.lora
+        if batch.decode_attention != "cpu_kernel" or (lora is not None and lora.row_slots is None):
+            return None
+        if batch.prefills and not cpu_kernels.prefill_kernel_applies_to(torch.bfloat16, self.args.head_dim):
+            return None
+        row_slots = lora.row_slots if lora is not None else None
+        step = [*cos_sin, batch.slot_mapping, batch.decode_block_tables, batch.decode_context_lens, row_slots]
+        tables = [c.block_table for c in batch.prefills]
+        chunks = [n for c in batch.prefills for n in (c.query_start, c.num_query_tokens, c.num_context_tokens)]
+        skip = lora.slots.none_slot if lora is not None else -1
+        return FusedStep(step, tables, chunks, lora, skip)
 
     def projection(self, layer: int, name: str) -> ProjectionLinear:
         """The ProjectionLinear holding target module `name` of layer `layer`."""

@@ -1,0 +1,129 @@
+// One decoder layer of the Llama family in one op call, for bf16 on the CPU: the same kernels the
+// Python layer calls (ops.h), in the same order on the same intermediate tensors, so the result is
+// bit-for-bit the Python path's (tests/test_cpu_decoder_layer.py). What it saves is the Python
+// between them: a 64-row decode step ran ~12 op calls, their argument parsing and the module glue
+// per layer, ~4-7% of the step (README, bench/multi_lora.py).
+//
+//   a  = attention(rotary(qkv(h) + lora_qkv), paged KV cache)   write this step's k, v; decode rows
+//        first (one batched call), then each prefill chunk over its cached context
+//   h2 = rmsnorm(x += o(a) + lora_o)
+//   m  = down(silu(gate) * up) + lora_down, (gate | up) = gate_up(h2) + lora_gate_up; with no
+//        LoRA on gate_up the activation runs in the GEMM's epilogue (linear_silu_mul_)
+//   returns next_norm(x += m): the next layer's h (the last layer, whose rows may be pruned to the
+//   logits rows, stays in Python)
+
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include "ops.h"
+
+namespace {
+
+using at::Tensor;
+using OptTensor = c10::optional<at::Tensor>;
+
+// rows up to which linear_ beats torch's GEMM (layers/cpu_kernels.py LINEAR_MAX_ROWS)
+constexpr int64_t kLinearMaxRows = 1024;
+
+// base_linear (layers/linear.py): the kernel for up to kLinearMaxRows rows, torch's GEMM above
+Tensor project(const Tensor& x, const Tensor& w, const OptTensor& bias) {
+  if (x.size(0) <= kLinearMaxRows && x.stride(1) == 1 && w.is_contiguous()) {
+    Tensor out = at::empty({x.size(0), w.size(0)}, x.options());
+    loraplane_cpu::linear_(out, x, w, bias);
+    return out;
+  }
+  return at::linear(x, w, bias);
+}
+
+}  // namespace
+
+namespace loraplane_cpu {
+
+// x: the residual stream [T, hidden] (updated in place); h: input_layernorm(x).
+// weights: qkv_w, qkv_b?, o_w, post_norm_w, gate_up_w, gate_up_b?, down_w, down_b?, next_norm_w
+// step: cos [T, D], sin [T, D], slot_mapping [T], decode_block_tables?, decode_context_lens?, row_slots?
+// chunk_tables / chunks: each prefill chunk's block table and (query_start, query_tokens, context_tokens)
+// lora: (packed, proj, out_bounds) for qkv, o, gate_up, down, each None where no adapter of the step
+// targets that layer (bgmv_packed_'s arguments; row_slots then required).
+Tensor decoder_layer_(Tensor& x, const Tensor& h, const c10::List<OptTensor>& weights, Tensor& k_cache,
+                      Tensor& v_cache, const c10::List<OptTensor>& step, at::TensorList chunk_tables,
+                      at::IntArrayRef chunks, const c10::List<OptTensor>& lora, int64_t num_decode,
+                      int64_t num_heads, int64_t num_kv_heads, double scale, double eps, double next_eps,
+                      int64_t skip_slot) {
+  TORCH_CHECK(weights.size() == 9 && step.size() == 6 && lora.size() == 12,
+              "decoder_layer_: 9 weights, 6 step tensors and 12 LoRA entries expected");
+  TORCH_CHECK(chunks.size() == 3 * chunk_tables.size(), "decoder_layer_: one (start, tokens, context) per chunk");
+  TORCH_CHECK(x.dim() == 2 && h.sizes() == x.sizes() && x.is_contiguous(), "decoder_layer_: x and h must be [T, hidden]");
+  const int64_t T = x.size(0), D = k_cache.size(3);
+  const int64_t q_size = num_heads * D, kv_size = num_kv_heads * D;
+  const OptTensor row_slots = step.get(5);
+  auto add_lora = [&](Tensor& out, const Tensor& in, int64_t kind) {
+    const OptTensor packed = lora.get(3 * kind);
+    if (!packed.has_value()) return;
+    TORCH_CHECK(row_slots.has_value(), "decoder_layer_: LoRA needs the step's row slots");
+    const OptTensor proj = lora.get(3 * kind + 1), bounds = lora.get(3 * kind + 2);
+    TORCH_CHECK(proj.has_value() && bounds.has_value(), "decoder_layer_: LoRA entry without its rows or bounds");
+    bgmv_packed_(out, in, *packed, *row_slots, *proj, *bounds, skip_slot);
+  };
+  const OptTensor qkv_w = weights.get(0), o_w = weights.get(2), post_w = weights.get(3);
+  const OptTensor gate_up_w = weights.get(4), down_w = weights.get(6), next_w = weights.get(8);
+  TORCH_CHECK(qkv_w && o_w && post_w && gate_up_w && down_w && next_w, "decoder_layer_: a required weight is missing");
+  const OptTensor cos = step.get(0), sin = step.get(1), slot_mapping = step.get(2);
+  TORCH_CHECK(cos && sin && slot_mapping, "decoder_layer_: cos, sin and slot_mapping are required");
+
+  // attention
+  Tensor qkv = project(h, *qkv_w, weights.get(1));
+  add_lora(qkv, h, 0);
+  TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "decoder_layer_: qkv width differs from the heads");
+  Tensor q = qkv.narrow(1, 0, q_size).view({T, num_heads, D});
+  Tensor k = qkv.narrow(1, q_size, kv_size).view({T, num_kv_heads, D});
+  Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, num_kv_heads, D});
+  rotary_(q, k, *cos, *sin);
+  write_kv_(k_cache, v_cache, k, v, *slot_mapping);
+  Tensor attn = at::empty({T, num_heads, D}, x.options());
+  if (num_decode > 0) {
+    const OptTensor tables = step.get(3), lens = step.get(4);
+    TORCH_CHECK(tables && lens, "decoder_layer_: decode rows need their block tables and context lengths");
+    Tensor out = attn.narrow(0, 0, num_decode);
+    paged_decode_attention_(out, q.narrow(0, 0, num_decode), k_cache, v_cache, *tables, *lens, scale);
+  }
+  for (size_t c = 0; c < chunk_tables.size(); ++c) {
+    const int64_t start = chunks[3 * c], n = chunks[3 * c + 1], ctx = chunks[3 * c + 2];
+    Tensor out = attn.narrow(0, start, n);
+    paged_prefill_attention_(out, q.narrow(0, start, n), k_cache, v_cache, chunk_tables[c], ctx, scale);
+  }
+  Tensor a = attn.view({T, q_size});
+  Tensor o = project(a, *o_w, c10::nullopt);
+  add_lora(o, a, 1);
+  Tensor h2 = at::empty_like(x);
+  add_rms_norm_(h2, x, o, *post_w, eps);
+
+  // MLP
+  const int64_t inter = gate_up_w->size(0) / 2;
+  Tensor act;
+  if (!lora.get(6).has_value()) {
+    act = at::empty({T, inter}, x.options());
+    linear_silu_mul_(act, h2, *gate_up_w, weights.get(5));
+  } else {
+    Tensor gate_up = project(h2, *gate_up_w, weights.get(5));
+    add_lora(gate_up, h2, 2);
+    act = at::empty({T, inter}, x.options());
+    silu_mul_(act, gate_up);
+  }
+  Tensor m = project(act, *down_w, weights.get(7));
+  add_lora(m, act, 3);
+  Tensor next = at::empty_like(x);
+  add_rms_norm_(next, x, m, *next_w, next_eps);
+  return next;
+}
+
+}  // namespace loraplane_cpu
+
+TORCH_LIBRARY_FRAGMENT(loraplane, m) {
+  m.def(
+      "decoder_layer_(Tensor(a!) x, Tensor h, Tensor?[] weights, Tensor(b!) k_cache, Tensor(c!) v_cache, "
+      "Tensor?[] step, Tensor[] chunk_tables, int[] chunks, Tensor?[] lora, int num_decode, int num_heads, "
+      "int num_kv_heads, float scale, float eps, float next_eps, int skip_slot) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(loraplane, CPU, m) { m.impl("decoder_layer_", loraplane_cpu::decoder_layer_); }

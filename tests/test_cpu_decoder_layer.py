@@ -1,0 +1,119 @@
+"""The fused decoder layer (csrc/decoder_layer_cpu.cpp) against the Python layer it replaces: the same
+kernels in the same order, so every step's logits must be the same bits, with decode rows, prefill
+chunks over cached context, base rows and adapters on every kind of projection in one step."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from lora_helpers import ADAPTER_SPECS, make_peft_adapter
+from loraplane_server.config import EngineConfig
+from loraplane_server.engine import LLMEngine
+from loraplane_server.layers import cpu_kernels
+from loraplane_server.models.llama import LlamaForCausalLM
+from loraplane_server.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason=f"kernel did not build: {cpu_kernels.load_error()}")
+
+
+def save_model(path: Path, kind: str) -> Path:
+    """A random model with head_dim 64 (the prefill kernel's), 4 query heads on 2 kv heads."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen2ForCausalLM
+    from transformers import LlamaForCausalLM as HFLlama
+
+    common = dict(
+        vocab_size=384,
+        hidden_size=256,
+        intermediate_size=352,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=None,
+    )
+    torch.manual_seed(7)
+    model = HFLlama(LlamaConfig(**common)) if kind == "llama" else Qwen2ForCausalLM(Qwen2Config(**common))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(3.0)  # wider than the init: greedy choices far from ties, so both runs take the same path
+    model.save_pretrained(str(path), safe_serialization=True)
+    return path
+
+
+def run_engine(model_dir: Path, adapters: dict[str, Path], fused: bool) -> tuple[list[torch.Tensor], int]:
+    """Every step's logits, and the fused layer calls, for one workload: 5 requests (4 adapters, base),
+    prompts longer than the step's token budget so later chunks attend to cached context."""
+    LlamaForCausalLM.fuse_layers = fused
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(model_dir),
+            dtype="bfloat16",
+            max_loras=4,
+            max_lora_rank=16,
+            max_num_seqs=8,
+            max_num_batched_tokens=48,
+            enable_prefix_caching=False,
+        )
+    )
+    assert engine.layer_backend == "cpu_kernel" and engine.attention_backend == "cpu_kernel"
+    for name, path in adapters.items():
+        engine.adapters.register(name, str(path))
+        engine.prewarm(name, "device")
+    deadline = time.monotonic() + 120
+    while not set(adapters) <= {a["id"] for a in engine.adapter_residency() if a["tier"] == "device"}:
+        assert time.monotonic() < deadline, engine.adapter_residency()
+        engine.adapters.wait_for_completion(0.05)
+        engine.poll_adapters()  # both runs then schedule the same steps (no load finishes mid-run)
+    model = engine.runner.model
+    steps: list[torch.Tensor] = []
+    calls = 0
+    forward, layer_call = model.forward, cpu_kernels.decoder_layer
+
+    def recording_forward(*args: object) -> torch.Tensor:
+        logits = forward(*args)
+        steps.append(logits.clone())
+        return logits
+
+    def counting_layer(*args: object) -> torch.Tensor:
+        nonlocal calls
+        calls += 1
+        return layer_call(*args)  # type: ignore[arg-type]
+
+    model.forward = recording_forward  # type: ignore[method-assign]
+    cpu_kernels.decoder_layer = counting_layer  # type: ignore[assignment]
+    try:
+        gen = torch.Generator().manual_seed(3)
+        names: list[str | None] = [*adapters, None]
+        for i, name in enumerate(names):
+            prompt = torch.randint(0, 384, (20 + 17 * i,), generator=gen).tolist()
+            engine.add_request(prompt, SamplingParams(max_new_tokens=6 + i, ignore_eos=True), adapter_id=name)
+        while engine.has_unfinished:
+            for out in engine.step():
+                assert out.error is None, out.error
+    finally:
+        cpu_kernels.decoder_layer = layer_call  # type: ignore[assignment]
+        LlamaForCausalLM.fuse_layers = True
+    return steps, calls
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])  # qwen2: biases on q, k, v
+def test_fused_layer_equals_the_python_layer(kind: str, tmp_path: Path) -> None:
+    model_dir = save_model(tmp_path / kind, kind)
+    adapters = {
+        name: make_peft_adapter(model_dir, tmp_path / name, seed=i, b_scale=20.0, **spec)
+        for i, (name, spec) in enumerate(ADAPTER_SPECS.items())
+    }
+    with torch.inference_mode():
+        fused, calls = run_engine(model_dir, adapters, fused=True)
+        python, none = run_engine(model_dir, adapters, fused=False)
+    assert none == 0
+    # every layer but the last (which may run on the logits rows alone) of every step, fused
+    assert calls == 2 * len(fused) and len(fused) == len(python) > 10
+    for i, (a, b) in enumerate(zip(fused, python, strict=True)):
+        assert torch.equal(a, b), f"step {i}: max |diff| {(a.float() - b.float()).abs().max().item()}"
