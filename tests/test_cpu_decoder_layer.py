@@ -117,3 +117,54 @@ def test_fused_layer_equals_the_python_layer(kind: str, tmp_path: Path) -> None:
     assert calls == 2 * len(fused) and len(fused) == len(python) > 10
     for i, (a, b) in enumerate(zip(fused, python, strict=True)):
         assert torch.equal(a, b), f"step {i}: max |diff| {(a.float() - b.float()).abs().max().item()}"
+
+
+def test_fused_layer_refuses_malformed_arguments() -> None:
+    """Wrong list lengths, a missing weight, decode rows without their tables, LoRA without row slots: a
+    clear error, and neither the residual stream nor the KV cache written."""
+    bf = torch.bfloat16
+    t, hidden, heads, kv_heads, d, inter = 2, 128, 2, 1, 64, 96
+    x = torch.randn(t, hidden).to(bf)
+    weights = [
+        torch.randn((heads + 2 * kv_heads) * d, hidden).to(bf),
+        None,
+        torch.randn(hidden, heads * d).to(bf),
+        torch.ones(hidden, dtype=bf),
+        torch.randn(2 * inter, hidden).to(bf),
+        None,
+        torch.randn(hidden, inter).to(bf),
+        None,
+        torch.ones(hidden, dtype=bf),
+    ]
+    caches = torch.zeros(2, 4, 16, kv_heads, d, dtype=bf)
+    cos, sin = torch.ones(t, d, dtype=bf), torch.zeros(t, d, dtype=bf)
+    step = [cos, sin, torch.tensor([0, 1]), None, None, None]
+
+    def call(w: list, s: list, lora: list, num_decode: int) -> torch.Tensor:
+        return cpu_kernels.decoder_layer(
+            x,
+            x.clone(),
+            w,
+            caches[0],
+            caches[1],
+            s,
+            [],
+            [],
+            lora,
+            num_decode,
+            (heads, kv_heads),
+            0.125,
+            (1e-5, 1e-5),
+            -1,
+        )
+
+    before = x.clone()
+    with pytest.raises(RuntimeError, match="9 weights"):
+        call(weights[:8], step, [None] * 12, 0)
+    with pytest.raises(RuntimeError, match="required weight"):
+        call([None, *weights[1:]], step, [None] * 12, 0)
+    with pytest.raises(RuntimeError, match="block tables"):
+        call(weights, step, [None] * 12, 2)
+    with pytest.raises(RuntimeError, match="row slots"):
+        call(weights, step, [weights[0], weights[0], weights[0]] + [None] * 9, 0)
+    assert torch.equal(x, before) and not caches.any()  # refused before anything was written

@@ -70,6 +70,12 @@ Tensor decoder_layer_(Tensor& x, const Tensor& h, const c10::List<OptTensor>& we
   TORCH_CHECK(qkv_w && o_w && post_w && gate_up_w && down_w && next_w, "decoder_layer_: a required weight is missing");
   const OptTensor cos = step.get(0), sin = step.get(1), slot_mapping = step.get(2);
   TORCH_CHECK(cos && sin && slot_mapping, "decoder_layer_: cos, sin and slot_mapping are required");
+  TORCH_CHECK(num_decode >= 0 && num_decode <= T, "decoder_layer_: num_decode outside [0, T]");
+  TORCH_CHECK(num_decode == 0 || (step.get(3).has_value() && step.get(4).has_value()),
+              "decoder_layer_: decode rows need their block tables and context lengths");
+  for (int64_t kind = 0; kind < 4; ++kind)  // checked before anything is written
+    TORCH_CHECK(!lora.get(3 * kind).has_value() || row_slots.has_value(),
+                "decoder_layer_: LoRA needs the step's row slots");
 
   // attention
   Tensor qkv = project(h, *qkv_w, weights.get(1));
