@@ -15,7 +15,8 @@ import torch
 from loraplane_server.builtin import resolve_model
 
 
-def _save_tiny(path: Path, kind: str) -> Path:
+def save_tiny(path: Path, kind: str, scale: float = 4.0, seed: int = 1234, **overrides: int) -> Path:
+    """A random llama (untied) or qwen2 (tied, q/k/v biases) model; `overrides` change the config's sizes."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     common = dict(
@@ -30,7 +31,8 @@ def _save_tiny(path: Path, kind: str) -> Path:
         bos_token_id=None,
         pad_token_id=None,
     )
-    torch.manual_seed(1234)
+    common.update(overrides)
+    torch.manual_seed(seed)
     if kind == "llama":
         model = LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=False))
     else:
@@ -39,19 +41,19 @@ def _save_tiny(path: Path, kind: str) -> Path:
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 2:
-                p.mul_(4.0)
+                p.mul_(scale)
     model.save_pretrained(str(path), safe_serialization=True)
     return path
 
 
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _save_tiny(tmp_path_factory.mktemp("tiny-llama"), "llama")
+    return save_tiny(tmp_path_factory.mktemp("tiny-llama"), "llama")
 
 
 @pytest.fixture(scope="session")
 def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _save_tiny(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2")
+    return save_tiny(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2")
 
 
 @pytest.fixture(scope="session")

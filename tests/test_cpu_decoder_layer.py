@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import save_tiny
 
 from lora_helpers import ADAPTER_SPECS, make_peft_adapter
 from loraplane_server.config import EngineConfig
@@ -18,32 +19,6 @@ from loraplane_server.models.llama import LlamaForCausalLM
 from loraplane_server.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason=f"kernel did not build: {cpu_kernels.load_error()}")
-
-
-def save_model(path: Path, kind: str) -> Path:
-    """A random model with head_dim 64 (the prefill kernel's), 4 query heads on 2 kv heads."""
-    from transformers import LlamaConfig, Qwen2Config, Qwen2ForCausalLM
-    from transformers import LlamaForCausalLM as HFLlama
-
-    common = dict(
-        vocab_size=384,
-        hidden_size=256,
-        intermediate_size=352,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        eos_token_id=None,
-        bos_token_id=None,
-        pad_token_id=None,
-    )
-    torch.manual_seed(7)
-    model = HFLlama(LlamaConfig(**common)) if kind == "llama" else Qwen2ForCausalLM(Qwen2Config(**common))
-    with torch.no_grad():
-        for p in model.parameters():
-            p.mul_(3.0)  # wider than the init: greedy choices far from ties, so both runs take the same path
-    model.save_pretrained(str(path), safe_serialization=True)
-    return path
 
 
 def run_engine(model_dir: Path, adapters: dict[str, Path], fused: bool) -> tuple[list[torch.Tensor], int]:
@@ -104,7 +79,8 @@ def run_engine(model_dir: Path, adapters: dict[str, Path], fused: bool) -> tuple
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])  # qwen2: biases on q, k, v
 def test_fused_layer_equals_the_python_layer(kind: str, tmp_path: Path) -> None:
-    model_dir = save_model(tmp_path / kind, kind)
+    # head_dim 64 (the prefill kernel's), 4 query heads on 2 kv heads
+    model_dir = save_tiny(tmp_path / kind, kind, 3.0, 7, vocab_size=384, hidden_size=256, intermediate_size=352)
     adapters = {
         name: make_peft_adapter(model_dir, tmp_path / name, seed=i, b_scale=20.0, **spec)
         for i, (name, spec) in enumerate(ADAPTER_SPECS.items())
