@@ -59,8 +59,7 @@ Tensor decoder_layer_(Tensor& x, const Tensor& h, const c10::List<OptTensor>& we
   const OptTensor row_slots = step.get(5);
   auto add_lora = [&](Tensor& out, const Tensor& in, int64_t kind) {
     const OptTensor packed = lora.get(3 * kind);
-    if (!packed.has_value()) return;
-    TORCH_CHECK(row_slots.has_value(), "decoder_layer_: LoRA needs the step's row slots");
+    if (!packed.has_value()) return;  // row_slots checked below, before anything is written
     const OptTensor proj = lora.get(3 * kind + 1), bounds = lora.get(3 * kind + 2);
     TORCH_CHECK(proj.has_value() && bounds.has_value(), "decoder_layer_: LoRA entry without its rows or bounds");
     bgmv_packed_(out, in, *packed, *row_slots, *proj, *bounds, skip_slot);
@@ -88,8 +87,7 @@ Tensor decoder_layer_(Tensor& x, const Tensor& h, const c10::List<OptTensor>& we
   write_kv_(k_cache, v_cache, k, v, *slot_mapping);
   Tensor attn = at::empty({T, num_heads, D}, x.options());
   if (num_decode > 0) {
-    const OptTensor tables = step.get(3), lens = step.get(4);
-    TORCH_CHECK(tables && lens, "decoder_layer_: decode rows need their block tables and context lengths");
+    const OptTensor tables = step.get(3), lens = step.get(4);  // present: checked above
     Tensor out = attn.narrow(0, 0, num_decode);
     paged_decode_attention_(out, q.narrow(0, 0, num_decode), k_cache, v_cache, *tables, *lens, scale);
   }
