@@ -32,8 +32,10 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM
 
+from loraplane_server import cpu_features
 from loraplane_server.config import EngineConfig
 from loraplane_server.engine import LLMEngine
+from loraplane_server.layers import cpu_kernels
 from loraplane_server.sampling_params import SamplingParams
 
 TARGET_THROUGHPUT_RATIO = 3.0  # ours / hf, useful tokens per second
@@ -205,7 +207,6 @@ def measure_ttft(engine: LLMEngine, pool: list[int], w: Workload) -> dict:
 def machine_info(engine: LLMEngine) -> dict:
     import transformers
 
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "")
     return {
         "torch": torch.__version__,
         "transformers": transformers.__version__,
@@ -213,7 +214,8 @@ def machine_info(engine: LLMEngine) -> dict:
         "dtype": str(engine.dtype).removeprefix("torch."),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
-        "cpu": cpu,
+        **cpu_features.record(),
+        "kernel_isa": cpu_kernels.isa(),
         "load_average": os.getloadavg(),
     }
 

@@ -39,6 +39,7 @@ import httpx
 import torch
 from safetensors.torch import load_file, save_file
 
+from loraplane_server import cpu_features
 from loraplane_server.builtin import resolve_model
 from loraplane_server.config import EngineConfig
 from loraplane_server.engine import LLMEngine
@@ -305,7 +306,7 @@ def main() -> int:
     result = {
         "workload": asdict(w), "dtype": args.dtype, "threads": args.threads,
         "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpu_count": os.cpu_count(),
-                    "torch": torch.__version__},
+                    "torch": torch.__version__, **cpu_features.record()},
         "in_process": local, "http": remote, "throughput_ratio": ratio, "target_ratio": TARGET_RATIO,
         "meets_target": ratio >= TARGET_RATIO,
     }  # fmt: skip

@@ -52,8 +52,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
+from loraplane_server import cpu_features
 from loraplane_server.config import EngineConfig
 from loraplane_server.engine import LLMEngine
+from loraplane_server.layers import cpu_kernels
 from loraplane_server.sampling_params import SamplingParams
 
 TARGET_SCALING = 1.10  # ours at the most adapters / ours at 1 adapter, latency
@@ -525,7 +527,6 @@ def machine_info(dtype: torch.dtype) -> dict:
     import peft
     import transformers
 
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "")
     return {
         "torch": torch.__version__,
         "transformers": transformers.__version__,
@@ -535,7 +536,8 @@ def machine_info(dtype: torch.dtype) -> dict:
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
-        "cpu": cpu,
+        **cpu_features.record(),
+        "kernel_isa": cpu_kernels.isa(),
     }
 
 

@@ -12,7 +12,9 @@ if not Path("/dev/nvidia0").exists():
 import pytest
 import torch
 
+from loraplane_server import cpu_features
 from loraplane_server.builtin import resolve_model
+from loraplane_server.layers import cpu_kernels
 
 
 def save_tiny(path: Path, kind: str, scale: float = 4.0, seed: int = 1234, **overrides: int) -> Path:
@@ -59,3 +61,17 @@ def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     return resolve_model("smollm2-135m")
+
+
+def pytest_report_header() -> str:
+    return f"cpu: {cpu_features.describe()}; torch kernels: {torch.backends.cpu.get_cpu_capability()}"
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """The instruction-set markers, asked of the kernel library itself (what it was built for, which
+    LORAPLANE_CPU_ISA=avx2 caps), so a test runs exactly where the engine would take its path."""
+    needs_kernels = item.get_closest_marker("requires_cpu_kernels") or item.get_closest_marker("requires_avx512_bf16")
+    if needs_kernels and not cpu_kernels.load():
+        pytest.skip(f"the CPU kernels did not build: {cpu_kernels.load_error()}")
+    if item.get_closest_marker("requires_avx512_bf16") and not cpu_kernels.has_bf16_kernels():
+        pytest.skip(cpu_kernels.missing_bf16_kernels())

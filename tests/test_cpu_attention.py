@@ -10,7 +10,7 @@ import torch
 from attention_cases import make_case, reference
 from loraplane_server.layers import cpu_kernels
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason=f"kernel did not build: {cpu_kernels.load_error()}")
+pytestmark = pytest.mark.requires_cpu_kernels
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

@@ -18,7 +18,7 @@ from loraplane_server.layers import cpu_kernels
 from loraplane_server.models.llama import LlamaForCausalLM
 from loraplane_server.sampling_params import SamplingParams
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason=f"kernel did not build: {cpu_kernels.load_error()}")
+pytestmark = pytest.mark.requires_cpu_kernels
 
 
 def run_engine(model_dir: Path, adapters: dict[str, Path], fused: bool) -> tuple[list[torch.Tensor], int]:
@@ -77,6 +77,7 @@ def run_engine(model_dir: Path, adapters: dict[str, Path], fused: bool) -> tuple
     return steps, calls
 
 
+@pytest.mark.requires_avx512_bf16
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])  # qwen2: biases on q, k, v
 def test_fused_layer_equals_the_python_layer(kind: str, tmp_path: Path) -> None:
     # head_dim 64 (the prefill kernel's), 4 query heads on 2 kv heads

@@ -12,7 +12,7 @@ from loraplane_server.layers.rotary import RotaryEmbedding, apply_rotary
 from loraplane_server.sampler import Sampler
 from loraplane_server.sampling_params import SamplingParams
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason=f"kernel did not build: {cpu_kernels.load_error()}")
+pytestmark = pytest.mark.requires_cpu_kernels
 BF16_ULP = 2**-7  # relative spacing of bf16 numbers
 
 

@@ -15,10 +15,7 @@ from loraplane_server.layers import cpu_kernels
 from loraplane_server.lora.batch import LoRABatch
 from loraplane_server.sampling_params import SamplingParams
 
-pytestmark = pytest.mark.skipif(
-    not cpu_kernels.load() or "avx512_bf16" not in cpu_kernels._cpu_flags(),
-    reason=f"needs the CPU kernels on an AVX512-BF16 CPU ({cpu_kernels.load_error()})",
-)
+pytestmark = pytest.mark.requires_cpu_kernels  # the BGMV kernels themselves: requires_avx512_bf16
 
 
 def reference_delta(
@@ -34,6 +31,7 @@ def reference_delta(
     return delta
 
 
+@pytest.mark.requires_avx512_bf16
 @pytest.mark.parametrize(
     ("k", "bounds", "rank"),
     [(576, [0, 576, 768, 960], 8), (576, [0, 1536, 3072], 16), (1536, [0, 576], 8), (100, [0, 20, 20, 37], 5)],
@@ -116,6 +114,7 @@ def pack(
     return packed, proj
 
 
+@pytest.mark.requires_avx512_bf16
 def test_bgmv_packed_refuses_runs_outside_the_slot() -> None:
     packed = torch.zeros(3, 40, dtype=torch.bfloat16)
     x, out = torch.zeros(2, 8, dtype=torch.bfloat16), torch.zeros(2, 6, dtype=torch.bfloat16)
@@ -151,6 +150,7 @@ def test_bgmv_refuses_bad_slots_and_shapes() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.requires_avx512_bf16
 def test_bf16_engine_with_many_adapters_follows_peft_fp32(
     smollm2_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

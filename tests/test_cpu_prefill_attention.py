@@ -7,10 +7,7 @@ import torch
 
 from loraplane_server.layers import cpu_kernels
 
-pytestmark = pytest.mark.skipif(
-    not cpu_kernels.load() or "avx512_bf16" not in cpu_kernels._cpu_flags(),
-    reason=f"needs the CPU kernels on an AVX512-BF16 CPU ({cpu_kernels.load_error()})",
-)
+pytestmark = pytest.mark.requires_cpu_kernels  # the kernel itself: requires_avx512_bf16
 
 
 def make_chunk(
@@ -43,6 +40,7 @@ def reference(
     return torch.einsum("hnl,lhd->nhd", scores.softmax(-1), values)
 
 
+@pytest.mark.requires_avx512_bf16
 @pytest.mark.parametrize(
     ("n", "ctx", "heads", "kv_heads", "head_dim", "block_size"),
     [
@@ -70,6 +68,7 @@ def test_matches_fp32_causal_attention(
     torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.requires_avx512_bf16
 def test_writes_strided_rows_in_place_and_is_thread_invariant() -> None:
     q, k_cache, v_cache, table = make_chunk(50, 20, 9, 3, 64, 16, seed=1)
     wide = torch.zeros(50, 12, 64, dtype=torch.bfloat16)  # q as a view into a wider projection output

@@ -31,8 +31,8 @@ def server(adapter_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Serve
     flags = "--max-model-len 512 --num-kv-blocks 128 --max-loras 2"
     args = [*flags.split(), "--adapter-dir", str(adapter_dir)]
     proc = ServerProcess(args, log, env={"LORAPLANE_ADMIN_TOKEN": ADMIN_TOKEN})
+    proc.wait_ready()  # on failure it kills the server and raises with its log
     try:
-        proc.wait_ready()
         yield proc
     finally:
         assert proc.stop() == 0, proc.log()

@@ -37,8 +37,8 @@ def server(adapter_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Serve
     args += ["--adapter-dir", str(adapter_dir), "--admin-token", ADMIN_TOKEN]
     args += ["--disk-cache-dir", str(tmp_path_factory.mktemp("disk-cache"))]
     proc = ServerProcess(args, log, env={"HF_HUB_OFFLINE": "1"})
+    proc.wait_ready()  # on failure it kills the server and raises with its log
     try:
-        proc.wait_ready()
         yield proc
     finally:
         assert proc.stop() == 0, proc.log()

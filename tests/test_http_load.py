@@ -33,8 +33,8 @@ def server(adapter_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Serve
     flags = f"--max-model-len 512 --num-kv-blocks 256 --max-loras {MAX_LORAS} --max-num-seqs 256 --max-queue 1000"
     args = [*flags.split(), "--adapter-dir", str(adapter_dir), "--admin-token", ADMIN_TOKEN]
     proc = ServerProcess(args, log)
+    proc.wait_ready()  # on failure it kills the server and raises with its log
     try:
-        proc.wait_ready()
         yield proc
     finally:
         assert proc.stop() == 0, proc.log()

@@ -1,14 +1,17 @@
 """The HTTP layer's plain parts, without a server: streamed text deltas, bounded usage labels,
-admission and draining, error shapes, id validation, per-app metrics, and the serve command line."""
+admission and draining, start-up progress, error shapes, id validation, per-app metrics, and the serve command line."""
 
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from loraplane_server import cli
+from loraplane_server.config import EngineConfig
+from loraplane_server.engine import LLMEngine
 from loraplane_server.http.adapter_usage import OTHER, AdapterUsage
 from loraplane_server.http.errors import error_body
 from loraplane_server.http.lifecycle import Lifecycle, Rejected
@@ -91,6 +94,29 @@ def test_admission_queue_limit_and_draining() -> None:
     late.begin_drain(grace_s=0.01)
     time.sleep(0.02)
     assert late.can_exit  # out of time
+
+
+def test_ready_reports_the_start_up_step_the_engine_is_in(tiny_llama_dir: Path) -> None:
+    """/ready's body while loading: the step LLMEngine last reported and how long it has run, so a
+    probe or a test waits on progress instead of a fixed time; the error once failed."""
+    life = Lifecycle(max_queue=1)
+    assert life.progress()["step"] == "starting"
+    steps: list[str] = []
+
+    def on_phase(step: str) -> None:
+        steps.append(step)
+        life.set_step(step)
+
+    LLMEngine(EngineConfig(model=str(tiny_llama_dir), num_kv_blocks=8), on_phase=on_phase)
+    assert steps[0] == "resolving the model" and steps[-1] == "loading the tokenizer"
+    assert steps.index("loading the weights") > steps.index("building the CPU kernels")
+    body = life.progress()
+    assert body["status"] == "loading" and body["step"] == "loading the tokenizer"
+    assert 0 <= float(body["step_seconds"]) <= float(body["loading_seconds"])  # type: ignore[arg-type]
+    life.mark_ready()
+    assert life.progress() == {"status": "ready"}
+    life.mark_failed("OSError: no weights")
+    assert life.progress() == {"status": "failed", "error": "OSError: no weights"}
 
 
 def test_error_bodies_follow_each_api() -> None:

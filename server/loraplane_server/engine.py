@@ -8,11 +8,13 @@ from __future__ import annotations
 import itertools
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from loraplane_server import cpu_features
 from loraplane_server.block_manager import BlockManager
 from loraplane_server.builtin import cache_root, resolve_model
 from loraplane_server.config import EngineConfig
@@ -51,31 +53,33 @@ class RequestOutput:
     first_token_time: float | None = None
 
 
-def cpu_has_bf16() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """auto: bf16 on CUDA and on CPUs with bf16 dot products (AVX-512 BF16, AMX), fp32 elsewhere."""
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" or cpu_has_bf16() else torch.float32
+        return torch.bfloat16 if device.type == "cuda" or cpu_features.has_bf16_compute() else torch.float32
     return getattr(torch, name)
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, on_phase: Callable[[str], None] | None = None) -> None:
+        """on_phase(name) is called as start-up moves on (the HTTP server's /ready reports it): resolving
+        the model, building the CPU kernels (first start on a machine), loading the weights, the rest."""
+        phase = on_phase or (lambda _name: None)
         self.config = config
         self.device = torch.device(config.device)
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        phase("resolving the model")
         self.model_dir = resolve_model(config.model)
         hf_config = read_config(self.model_dir)
         self.max_model_len = min(config.max_model_len or 1 << 30, hf_config.get("max_position_embeddings", 4096))
+        if self.device.type == "cpu" and {config.attention_backend, config.layer_backend} & {"auto", "cpu_kernel"}:
+            phase("building the CPU kernels")  # a cache hit on every start but a machine's first
+            cpu_kernels.load()
+        phase("loading the weights")
         model = load_model(self.model_dir, self.dtype, self.device, self.max_model_len)
+        phase("allocating the KV cache and adapter slots")
         num_blocks = config.num_kv_blocks or max(
             2, config.kv_cache_bytes // kv_block_bytes(model, config.block_size, self.dtype)
         )
@@ -110,6 +114,7 @@ class LLMEngine:
         )
         self._device_prewarm: set[str] = set()
         self._errors: dict[str, str] = {}
+        phase("loading the tokenizer")
         self.tokenizer = _load_tokenizer(self.model_dir)
         self.eos_token_ids = _eos_ids(self.model_dir, hf_config)
         self.requests: dict[str, Sequence] = {}
@@ -388,8 +393,9 @@ def _attention_backend(requested: str, device: torch.device) -> str:
 
 
 def _layer_backend(requested: str, device: torch.device, dtype: torch.dtype) -> str:
-    """auto: the compiled bf16 layer kernels (linear, fused norm/rotary/activation) on the CPU in bf16
-    when they build here; torch otherwise."""
+    """auto: the compiled bf16 layer kernels (linear, fused norm/rotary/activation, BGMV, the one-call
+    decoder layer) on the CPU in bf16 when the library holds them (built for AVX-512 BF16); torch
+    otherwise. An explicit cpu_kernel that cannot run here fails now, not at the first step."""
     if requested == "cpu_kernel":
         if device.type != "cpu":
             raise ValueError("layer_backend=cpu_kernel runs on the CPU only")
@@ -397,8 +403,13 @@ def _layer_backend(requested: str, device: torch.device, dtype: torch.dtype) -> 
             raise ValueError("layer_backend=cpu_kernel needs dtype bfloat16 (its kernels are bf16)")
         if not cpu_kernels.load():
             raise RuntimeError(f"layer_backend=cpu_kernel: the kernel did not build: {cpu_kernels.load_error()}")
+        if not cpu_kernels.has_bf16_kernels():
+            raise RuntimeError(
+                f"layer_backend=cpu_kernel needs AVX-512 BF16; {cpu_kernels.missing_bf16_kernels()}. "
+                "Use layer_backend auto or torch."
+            )
         return "cpu_kernel"
-    if requested == "auto" and device.type == "cpu" and dtype == torch.bfloat16 and cpu_kernels.load():
+    if requested == "auto" and device.type == "cpu" and dtype == torch.bfloat16 and cpu_kernels.has_bf16_kernels():
         return "cpu_kernel"
     return "torch"
 

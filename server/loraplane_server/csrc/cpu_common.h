@@ -19,6 +19,16 @@
 #define LORAPLANE_AVX512_BF16 1
 #endif
 
+// The instruction set the kernels were compiled for, as loraplane::isa reports it to Python
+// (layers/cpu_kernels.py): the engine calls the bf16 fast paths only where this says avx512_bf16.
+#if defined(LORAPLANE_AVX512_BF16)
+#define LORAPLANE_ISA "avx512_bf16"
+#elif defined(__AVX2__) && defined(__FMA__)
+#define LORAPLANE_ISA "avx2"
+#else
+#define LORAPLANE_ISA "generic"
+#endif
+
 namespace loraplane_cpu {
 
 // body(begin, end) over [0, n) in one contiguous range per intra-op thread, the ranges of about

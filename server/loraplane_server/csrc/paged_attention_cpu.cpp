@@ -44,6 +44,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -544,7 +545,12 @@ void write_kv_(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k, co
 
 }  // namespace loraplane_cpu
 
+// The instruction set this build targets (cpu_common.h): the library's own word on which fast
+// paths it holds, read once by layers/cpu_kernels.py; every source is compiled with the same flags.
+std::string isa() { return LORAPLANE_ISA; }
+
 TORCH_LIBRARY(loraplane, m) {
+  m.def("isa", &isa);
   m.def(
       "paged_decode_attention_(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
       "Tensor context_lens, float scale) -> ()");

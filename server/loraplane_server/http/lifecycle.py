@@ -34,6 +34,28 @@ class Lifecycle:
         self.num_waiting = 0  # admitted, no first token yet
         self.num_inflight = 0  # admitted, not finished
         self.drain_deadline: float | None = None
+        self.started_at = time.monotonic()
+        self.step = "starting"  # what start-up is doing now (LLMEngine's on_phase), for /ready and logs
+        self.step_since = self.started_at
+
+    def set_step(self, step: str) -> None:
+        """Start-up moved on to `step`. Called from the loading thread: two plain assignments, read
+        by /ready on the event loop (a reader may pair the new step with the old time, never worse)."""
+        self.step, self.step_since = step, time.monotonic()
+
+    def progress(self) -> dict[str, object]:
+        """/ready's body: the phase and, while loading, the start-up step and how long it has run."""
+        body: dict[str, object] = {"status": self.phase.value}
+        if self.phase == Phase.LOADING:
+            now = time.monotonic()
+            body.update(
+                step=self.step,
+                step_seconds=round(now - self.step_since, 1),
+                loading_seconds=round(now - self.started_at, 1),
+            )
+        elif self.phase == Phase.FAILED:
+            body["error"] = self.error
+        return body
 
     @property
     def is_ready(self) -> bool:

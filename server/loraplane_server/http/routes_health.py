@@ -24,9 +24,10 @@ async def health(request: Request) -> JSONResponse:
 
 @router.get("/ready")
 async def ready(request: Request) -> JSONResponse:
-    """200 once the model is loaded, 503 while loading and from SIGTERM on."""
+    """200 once the model is loaded, 503 while loading (with the start-up step and its seconds) and
+    from SIGTERM on."""
     life = get_state(request).lifecycle
-    return JSONResponse({"status": life.phase.value}, status_code=200 if life.is_ready else 503)
+    return JSONResponse(life.progress(), status_code=200 if life.is_ready else 503)
 
 
 @router.get("/metrics", response_class=Response, responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}})

@@ -35,7 +35,7 @@ class ServerState:
         if self.config.torch_threads:
             torch.set_num_threads(self.config.torch_threads)  # process-wide, the engine thread included
         try:
-            engine = await asyncio.to_thread(LLMEngine, self.config.engine)
+            engine = await asyncio.to_thread(LLMEngine, self.config.engine, self._on_phase)
         except Exception as exc:  # noqa: BLE001 - any failure to start is reported and ends the process
             log.exception("the engine failed to start")
             self.lifecycle.mark_failed(f"{type(exc).__name__}: {exc}")
@@ -54,6 +54,10 @@ class ServerState:
             engine.block_manager.num_blocks,
             len(engine.adapters.records),
         )
+
+    def _on_phase(self, step: str) -> None:
+        log.info("loraplane: starting: %s", step)
+        self.lifecycle.set_step(step)
 
     def close(self) -> None:
         if self.front is not None:

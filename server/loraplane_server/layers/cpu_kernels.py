@@ -5,24 +5,28 @@ a decoder layer (RMSNorm with the residual add, rotary, SiLU-and-multiply) and L
 of many adapters (BGMV); bf16.
 
 The sources are compiled with torch's extension builder into the user cache
-(`cache_root()/kernels`), keyed by the sources, torch's version and the CPU's flags (it is built
-for this CPU). When no compiler is available
-or the build fails, `load()` returns False with the reason in `load_error()` and the engine
-keeps its torch paths.
+(`cache_root()/kernels`), keyed by the sources, torch's version, the CPU's flags and the compiler
+flags (it is built for this CPU, or for x86-64-v3 under LORAPLANE_CPU_ISA=avx2: cpu_features.py).
+When no compiler is available or the build fails, `load()` returns False with the reason in
+`load_error()` and the engine keeps its torch paths.
+
+The library reports the instruction set it was compiled for (`isa()`). Every op runs on any x86
+CPU, but the bf16 LoRA (BGMV) and prefill-attention kernels exist only in an AVX-512 BF16 build,
+and the other ops are fast only there: `has_bf16_kernels()` is the one question the engine and the
+tests ask before taking those paths.
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import logging
 import os
-import platform
 import threading
 from pathlib import Path
 
 import torch
 
+from loraplane_server import cpu_features
 from loraplane_server.builtin import cache_root
 
 log = logging.getLogger(__name__)
@@ -42,28 +46,23 @@ HEADERS = (CSRC / "cpu_common.h", CSRC / "ops.h")  # included by the sources: pa
 LINEAR_MAX_ROWS = 1024
 # -fopenmp: at::parallel_for is an OpenMP pragma in torch's headers; without it the kernel runs on
 # one thread. The extension then links libgomp.so.1, which resolves to the copy torch already loaded.
-CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 LDFLAGS = ["-fopenmp"]
+BF16_ISA = "avx512_bf16"  # the build whose library holds the bf16 fast paths
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 
 
-@functools.cache  # read once: prefill_kernel_applies asks on every layer of every prefill step
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
+def cflags() -> list[str]:
+    """-O3, the target (this CPU, or x86-64-v3 under LORAPLANE_CPU_ISA=avx2) and OpenMP."""
+    return ["-O3", *cpu_features.march_flags(), "-fopenmp"]
 
 
 def build_dir() -> Path:
     root = cache_root() / "kernels"
-    flags = " ".join(CFLAGS + LDFLAGS)
+    flags = " ".join(cflags() + LDFLAGS)
     sources = [source.read_bytes() for source in SOURCES + HEADERS]
-    parts = [*sources, torch.__version__.encode(), _cpu_flags().encode(), flags.encode()]
+    cpu = " ".join(sorted(cpu_features.cpu_flags()))
+    parts = [*sources, torch.__version__.encode(), cpu.encode(), flags.encode()]
     key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
     return root / f"loraplane_cpu-{key}"
 
@@ -81,11 +80,13 @@ def load() -> bool:
 
             directory = build_dir()
             directory.mkdir(parents=True, exist_ok=True)
+            if not (directory / "loraplane_cpu_kernels.so").is_file():
+                log.info("building the CPU kernels for %s (once per machine, about a minute)", cpu_features.describe())
             cpp_extension.load(
                 name="loraplane_cpu_kernels",
                 sources=[str(source) for source in SOURCES],
-                extra_cflags=CFLAGS,
-                extra_ldflags=LDFLAGS,
+                extra_cflags=cflags(),
+                extra_ldflags=list(LDFLAGS),  # the extension builder appends to the list it is given
                 build_directory=str(directory),
                 is_python_module=False,
                 verbose=False,
@@ -102,8 +103,12 @@ def load() -> bool:
                 "bgmv_",
                 "bgmv_packed_",
                 "decoder_layer_",
+                "isa",
             )
-            _state.update(ok=all(hasattr(torch.ops.loraplane, op) for op in ops), error=None)
+            ok = all(hasattr(torch.ops.loraplane, op) for op in ops)
+            _state.update(ok=ok, error=None if ok else "the library lacks some of its ops (a stale build?)")
+            if ok:
+                _state["isa"] = str(torch.ops.loraplane.isa())
         except Exception as error:  # no compiler, no ninja, a build error: keep the torch path
             log.warning("CPU kernels unavailable, using the torch paths: %s", error)
             _state.update(ok=False, error=f"{type(error).__name__}: {error}")
@@ -112,6 +117,27 @@ def load() -> bool:
 
 def load_error() -> str | None:
     return _state.get("error")  # type: ignore[return-value]
+
+
+def isa() -> str | None:
+    """The instruction set the loaded library was compiled for (avx512_bf16, avx2 or generic); None
+    when it did not load."""
+    if "ok" not in _state:  # asked on every prefill layer: no lock once loaded
+        load()
+    return _state.get("isa")  # type: ignore[return-value]
+
+
+def has_bf16_kernels() -> bool:
+    """Whether the library holds the bf16 fast paths (BGMV, prefill attention, the vdpbf16ps linear
+    and layer ops): built for AVX-512 BF16, on a CPU that has it."""
+    return isa() == BF16_ISA
+
+
+def missing_bf16_kernels() -> str:
+    """Why has_bf16_kernels() is False, in words a user can act on."""
+    if not load():
+        return f"the CPU kernels did not build: {load_error()}"
+    return f"the CPU kernels were built for {isa()}, as this CPU has no AVX-512 BF16: {cpu_features.describe()}"
 
 
 def paged_decode_attention(
@@ -180,12 +206,12 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
 
 
 def prefill_kernel_applies(q: torch.Tensor) -> bool:
-    """Whether paged_prefill_attention covers q: bf16, head_dim 64 or 128, a CPU with AVX512-BF16."""
+    """Whether paged_prefill_attention covers q: bf16, head_dim 64 or 128, a build for AVX512-BF16."""
     return prefill_kernel_applies_to(q.dtype, q.shape[-1])
 
 
 def prefill_kernel_applies_to(dtype: torch.dtype, head_dim: int) -> bool:
-    return dtype == torch.bfloat16 and head_dim in (64, 128) and "avx512_bf16" in _cpu_flags()
+    return dtype == torch.bfloat16 and head_dim in (64, 128) and has_bf16_kernels()
 
 
 def paged_prefill_attention(
