@@ -138,13 +138,18 @@ def test_bf16_engine_follows_the_fp32_model(linear: str, smollm2_dir: Path) -> N
     params = SamplingParams(max_new_tokens=24, ignore_eos=True, logprobs=True)
     outs = engine.generate(prompts, params)
     hf = AutoModelForCausalLM.from_pretrained(str(smollm2_dir), dtype=torch.float32).eval()
-    gaps = []
+    gaps, drifts = [], []
     for prompt, out in zip(prompts, outs, strict=True):
         chosen, best = teacher_forced(hf, prompt, out.token_ids)
-        # bf16 moves a token's logprob by up to ~0.25 (the check below; the torch path reaches 0.24
-        # here); a ranking flip takes two such moves, so a chosen token may trail the top by 0.5
-        assert bool((chosen >= best - 0.5).all()), (linear, out.token_ids, (best - chosen).max().item())
-        assert torch.allclose(torch.tensor(out.logprobs), chosen, atol=0.25), (linear, out.logprobs)
         gaps.append(best - chosen)
-    exact = float((torch.cat(gaps) < 1e-4).float().mean())
+        drifts.append((torch.tensor(out.logprobs) - chosen).abs())
+    gap, drift = torch.cat(gaps), torch.cat(drifts)
+    # bf16 moves a token's logprob by up to ~0.25 (the kernel path's worst here: 0.18) and a ranking
+    # flip takes two such moves, so a chosen token may trail the top by 0.5. Over 480 tokens one
+    # sensitive position may drift further: the torch path on an AMX CPU (oneDNN's AMX kernels, the
+    # same rounding but another summation order, so another trajectory) met one at 0.73 / 0.79. So: at
+    # most 1% of tokens past those bounds, none past 1.0.
+    assert float((gap > 0.5).float().mean()) <= 0.01 and gap.max() < 1.0, (linear, gap.topk(3).values)
+    assert float((drift > 0.25).float().mean()) <= 0.01 and drift.max() < 1.0, (linear, drift.topk(3).values)
+    exact = float((gap < 1e-4).float().mean())
     assert exact >= 0.9, (linear, exact)  # a wrong row or a lost bias would flip far more than 10%
