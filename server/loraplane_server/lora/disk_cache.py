@@ -133,6 +133,13 @@ class DiskCache:
             entry = self._entries.get(key)
             return bool(entry and entry.pins)
 
+    def room_for(self, key: str) -> int:
+        """The most bytes a new entry for key may fill and still be committed: max_bytes less the pinned
+        entries (never evicted) and the stored key. A fetch bounded by it never writes past the cache."""
+        with self._lock:
+            pinned = sum(e.nbytes for e in self._entries.values() if e.pins)
+        return self.max_bytes - pinned - len(key.encode("utf-8", "surrogatepass"))
+
     @property
     def total_bytes(self) -> int:
         with self._lock:

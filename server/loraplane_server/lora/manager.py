@@ -72,6 +72,7 @@ class AdapterManager:
         disk_cache: DiskCache,
         adapter_dir: Path | None = None,
         num_workers: int = 2,
+        source_allow: list[str] | None = None,
     ) -> None:
         self.model_args = model_args
         self.dtype = dtype
@@ -79,6 +80,9 @@ class AdapterManager:
         self.host_max_bytes = host_max_bytes
         self.disk = disk_cache
         self.adapter_dir = adapter_dir
+        # the allowlist every redirect of a remote source must pass (the HTTP server sets its own);
+        # None checks a redirect's scheme only
+        self.source_allow = source_allow
         self.records: dict[str, AdapterRecord] = {}
         self.host: OrderedDict[str, LoRAWeights] = OrderedDict()
         self.host_bytes = 0
@@ -198,7 +202,7 @@ class AdapterManager:
         self.stats.misses["disk"] += 1
 
         def fill(dest: Path) -> None:
-            fetch(rec.source, dest)
+            fetch(rec.source, dest, max_bytes=self.disk.room_for(adapter_id), allow=self.source_allow)
 
         path = self.disk.put(adapter_id, fill)
         if rec.pinned:

@@ -4,11 +4,18 @@ Kinds: a local directory (or file://), hf://org/repo[@revision][/subfolder] (hug
 its cache when HF_HUB_OFFLINE is set), s3://bucket/prefix (boto3, honours AWS_ENDPOINT_URL) and
 http(s)://... archives (.tar.gz, .tgz, .tar, .zip), unpacked with strict checks. Only safetensors
 weights are ever fetched; a source with only pickle weights (adapter_model.bin) is refused.
+
+One byte budget bounds everything a fetch writes (a downloaded archive and the files taken from it
+together), counted before each chunk is written; decompressed archive data never touches the disk.
+An http(s) source follows at most MAX_REDIRECTS redirects, each checked against the allowlist given.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gzip
+import http.client
+import io
 import os
 import posixpath
 import re
@@ -19,7 +26,7 @@ import urllib.error
 import urllib.request
 import zipfile
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Protocol
@@ -33,6 +40,7 @@ REQUIRED_FILES = (CONFIG_FILE, WEIGHTS_FILE)
 ADAPTER_FILES = (CONFIG_FILE, WEIGHTS_FILE, README_FILE)
 ARCHIVE_SUFFIXES = (".tar.gz", ".tgz", ".tar", ".zip")
 MAX_ARCHIVE_MEMBERS = 10_000
+MAX_REDIRECTS = 5
 _TAR_OVERHEAD = 2048  # bytes of headers and padding allowed per tar member, beyond the file data
 _CHUNK = 1 << 20
 
@@ -42,7 +50,15 @@ _TRUE = {"1", "on", "yes", "true"}
 
 
 class AdapterSourceError(Exception):
-    """An adapter source that cannot be used; the message says what to fix."""
+    """An adapter source that cannot be used; the message says what to fix.
+
+    str(error) is for admins and logs (it may name URLs and paths); `public` says the same without them,
+    for clients that may not see the server's sources.
+    """
+
+    def __init__(self, message: str, public: str | None = None) -> None:
+        super().__init__(message)
+        self.public = public or "the adapter source could not be used; an admin can see why in the adapter list"
 
 
 @dataclass(frozen=True)
@@ -131,6 +147,14 @@ def _parse_s3(rest: str) -> AdapterSource:
 
 
 def _parse_http(uri: str) -> AdapterSource:
+    canonical = _canonical_http(uri)
+    if not _archive_suffix(urlsplit(canonical).path):
+        raise AdapterSourceError(f"URL {uri!r} must name an archive ending in {', '.join(ARCHIVE_SUFFIXES)}")
+    return AdapterSource(kind="http", uri=canonical, url=canonical)
+
+
+def _canonical_http(uri: str) -> str:
+    """The canonical form of an http(s) URL (lower-case scheme and host, no fragment); refused if unsafe."""
     parts = urlsplit(uri)
     try:
         port = parts.port
@@ -141,11 +165,8 @@ def _parse_http(uri: str) -> AdapterSource:
     if parts.username is not None or parts.password is not None:
         raise AdapterSourceError(f"URL {uri!r} embeds credentials; serve the archive without them in the URL")
     _check_segments(unquote(parts.path), "URL path")
-    if not _archive_suffix(parts.path):
-        raise AdapterSourceError(f"URL {uri!r} must name an archive ending in {', '.join(ARCHIVE_SUFFIXES)}")
     netloc = parts.hostname.lower() + (f":{port}" if port else "")
-    canonical = f"{parts.scheme.lower()}://{netloc}{parts.path}" + (f"?{parts.query}" if parts.query else "")
-    return AdapterSource(kind="http", uri=canonical, url=canonical)
+    return f"{parts.scheme.lower()}://{netloc}{parts.path}" + (f"?{parts.query}" if parts.query else "")
 
 
 def _archive_suffix(path: str) -> str | None:
@@ -190,23 +211,58 @@ def _local_inside(source: AdapterSource, root: Path | None) -> bool:
 # fetch
 
 
-def fetch(source: AdapterSource, dest: Path, max_bytes: int = 2 << 30, timeout_s: float = 60) -> Path:
+def fetch(
+    source: AdapterSource,
+    dest: Path,
+    max_bytes: int = 2 << 30,
+    timeout_s: float = 60,
+    allow: Sequence[str] | None = None,
+) -> Path:
     """Materialise the adapter files into dest (created if missing, must be empty) and return dest.
 
-    Writes only adapter_config.json, adapter_model.safetensors and README.md (if present), at most
-    max_bytes in all. On failure dest is left empty and AdapterSourceError says why.
+    Writes only adapter_config.json, adapter_model.safetensors and README.md (if present); at most
+    max_bytes are ever written, a downloaded archive and its files counted together. With `allow`, every
+    redirect of an http(s) source must be admitted by it (see is_allowed). On failure dest is left empty
+    and AdapterSourceError says why.
     """
     dest.mkdir(parents=True, exist_ok=True)
     if any(dest.iterdir()):
         raise AdapterSourceError(f"fetch destination {dest} is not empty")
+    limits = _Limits(_Budget(max_bytes), timeout_s, None if allow is None else tuple(allow))
     fetchers = {"local": _fetch_local, "hf": _fetch_hf, "s3": _fetch_s3, "http": _fetch_http}
     try:
-        fetchers[source.kind](source, dest, max_bytes, timeout_s)
+        fetchers[source.kind](source, dest, limits)
         _require_files({p.name for p in dest.iterdir()}, source.uri)
     except BaseException:
         _empty_dir(dest)
         raise
     return dest
+
+
+class _Budget:
+    """The bytes one fetch may still write; each write is counted before it happens."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.left = limit
+
+    def check(self, nbytes: int, message: str) -> None:
+        """Refuse (AdapterSourceError with message) if nbytes would not fit."""
+        if nbytes > self.left:
+            public = f"the adapter source is larger than the {self.limit} bytes this server allows for an adapter"
+            raise AdapterSourceError(message, public=public)
+
+    def take(self, nbytes: int, message: str) -> None:
+        """Count nbytes about to be written, or refuse them if they would not fit."""
+        self.check(nbytes, message)
+        self.left -= nbytes
+
+
+@dataclass(frozen=True)
+class _Limits:
+    budget: _Budget
+    timeout_s: float
+    allow: tuple[str, ...] | None  # None: redirects are checked for their scheme only
 
 
 def _empty_dir(path: Path) -> None:
@@ -229,53 +285,51 @@ def _require_files(names: set[str], where: str) -> None:
         raise AdapterSourceError(f"{where} has no {WEIGHTS_FILE}")
 
 
-def _check_total(sizes: list[int], max_bytes: int, where: str) -> None:
-    if sum(sizes) > max_bytes:
-        raise AdapterSourceError(f"{where} holds {sum(sizes)} bytes of adapter files, over the {max_bytes} allowed")
+def _check_total(sizes: list[int], budget: _Budget, where: str) -> None:
+    total = sum(sizes)
+    budget.check(total, f"{where} holds {total} bytes of adapter files, over the {budget.left} allowed")
 
 
 class _Readable(Protocol):
     def read(self, size: int = -1, /) -> bytes: ...
 
 
-def _copy_stream(src: _Readable, dst: Path, budget: int, where: str) -> int:
-    """Copy src into the new file dst, refusing more than budget bytes; return the bytes written."""
-    written = 0
+def _copy_stream(src: _Readable, dst: Path, budget: _Budget, where: str) -> None:
+    """Copy src into the new file dst, each chunk counted against budget before it is written."""
     with open(dst, "xb") as out:
         while chunk := src.read(_CHUNK):
-            written += len(chunk)
-            if written > budget:
-                raise AdapterSourceError(f"{where} is larger than the {budget} bytes allowed")
+            budget.take(len(chunk), f"{where} is larger than the {budget.limit} bytes allowed")
             out.write(chunk)
-    return written
 
 
-def _copy_local_tree(src: Path, dest: Path, max_bytes: int, where: str) -> None:
+def _copy_local_tree(src: Path, dest: Path, budget: _Budget, where: str) -> None:
     present = [n for n in ADAPTER_FILES if (src / n).is_file()]
     _require_files(set(present) | ({PICKLE_FILE} if (src / PICKLE_FILE).exists() else set()), where)
-    _check_total([(src / n).stat().st_size for n in present], max_bytes, where)
+    _check_total([(src / n).stat().st_size for n in present], budget, where)
     for name in present:
-        shutil.copyfile(src / name, dest / name)
+        with open(src / name, "rb") as f:
+            _copy_stream(f, dest / name, budget, where)  # counted: a file may grow after its stat
 
 
 # local
 
 
-def _fetch_local(source: AdapterSource, dest: Path, max_bytes: int, timeout_s: float) -> None:
+def _fetch_local(source: AdapterSource, dest: Path, limits: _Limits) -> None:
     assert source.path is not None
     if not source.path.is_dir():
         raise AdapterSourceError(f"adapter directory {source.path} does not exist or is not a directory")
-    _copy_local_tree(source.path, dest, max_bytes, source.uri)
+    _copy_local_tree(source.path, dest, limits.budget, source.uri)
 
 
-# hf
+# hf: huggingface_hub follows only the Hub's own redirects (renamed repos, its file CDN), which an adapter's
+# owner cannot point elsewhere, so the allowlist entry that admitted hf://org/repo covers them
 
 
 def _hf_offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in _TRUE
 
 
-def _fetch_hf(source: AdapterSource, dest: Path, max_bytes: int, timeout_s: float) -> None:
+def _fetch_hf(source: AdapterSource, dest: Path, limits: _Limits) -> None:
     from huggingface_hub import snapshot_download
 
     assert source.repo_id is not None
@@ -287,7 +341,7 @@ def _fetch_hf(source: AdapterSource, dest: Path, max_bytes: int, timeout_s: floa
             allow_patterns=[sub + n for n in ADAPTER_FILES],
             cache_dir=os.environ.get("HF_HUB_CACHE") or None,  # read now, not at huggingface_hub's import
             local_files_only=offline,
-            etag_timeout=timeout_s,
+            etag_timeout=limits.timeout_s,
         )
     except Exception as exc:
         hint = (
@@ -297,10 +351,10 @@ def _fetch_hf(source: AdapterSource, dest: Path, max_bytes: int, timeout_s: floa
             else "check the repo id, the revision, network access, and HF_TOKEN for private or gated repos"
         )
         raise AdapterSourceError(f"cannot fetch {source.uri}: {type(exc).__name__}: {exc}; {hint}") from exc
-    _copy_local_tree(Path(str(snapshot)) / source.subfolder, dest, max_bytes, source.uri)
+    _copy_local_tree(Path(str(snapshot)) / source.subfolder, dest, limits.budget, source.uri)
 
 
-# s3
+# s3: botocore follows no redirect out of the configured endpoint (only S3's own region redirects)
 
 
 def _s3_client(timeout_s: float) -> Any:
@@ -314,12 +368,12 @@ def _s3_client(timeout_s: float) -> Any:
     return boto3.client("s3", endpoint_url=endpoint, config=config)
 
 
-def _fetch_s3(source: AdapterSource, dest: Path, max_bytes: int, timeout_s: float) -> None:
-    client = _s3_client(timeout_s)
+def _fetch_s3(source: AdapterSource, dest: Path, limits: _Limits) -> None:
+    client = _s3_client(limits.timeout_s)
     from botocore.exceptions import BotoCoreError, ClientError
 
     try:
-        _download_s3(client, source, dest, max_bytes)
+        _download_s3(client, source, dest, limits.budget)
     except ClientError as exc:
         code = exc.response.get("Error", {}).get("Code", "")
         raise AdapterSourceError(f"cannot fetch {source.uri}: S3 error {code}: {exc}") from exc
@@ -352,7 +406,7 @@ def _check_bucket(client: Any, bucket: str) -> None:
             raise AdapterSourceError(f"S3 bucket {bucket!r} does not exist at this endpoint") from exc
 
 
-def _download_s3(client: Any, source: AdapterSource, dest: Path, max_bytes: int) -> None:
+def _download_s3(client: Any, source: AdapterSource, dest: Path, budget: _Budget) -> None:
     assert source.bucket is not None
     key_of = {n: f"{source.prefix}/{n}" if source.prefix else n for n in (*ADAPTER_FILES, PICKLE_FILE)}
     sizes = {n: s for n in ADAPTER_FILES if (s := _s3_size(client, source.bucket, key_of[n])) is not None}
@@ -360,50 +414,84 @@ def _download_s3(client: Any, source: AdapterSource, dest: Path, max_bytes: int)
     if CONFIG_FILE not in sizes:
         _check_bucket(client, source.bucket)
     _require_files(set(sizes) | ({PICKLE_FILE} if has_pickle else set()), source.uri)
-    _check_total(list(sizes.values()), max_bytes, source.uri)
-    budget = max_bytes
+    _check_total(list(sizes.values()), budget, source.uri)
     for name in sizes:
         with client.get_object(Bucket=source.bucket, Key=key_of[name])["Body"] as body:
-            budget -= _copy_stream(body, dest / name, budget, source.uri)
+            _copy_stream(body, dest / name, budget, source.uri)
 
 
 # http
 
 
-def _fetch_http(source: AdapterSource, dest: Path, max_bytes: int, timeout_s: float) -> None:
+def _fetch_http(source: AdapterSource, dest: Path, limits: _Limits) -> None:
     assert source.url is not None
     archive = dest / f".download{_archive_suffix(urlsplit(source.url).path)}"
     try:
-        _download(source.url, archive, max_bytes, timeout_s)
-        _extract_adapter(archive, dest, max_bytes, source.uri)
+        _download(source.url, archive, limits)
+        _extract_adapter(archive, dest, limits.budget, source.uri)
     finally:
         for leftover in dest.glob(".download*"):
             leftover.unlink()
 
 
 class _SafeRedirect(urllib.request.HTTPRedirectHandler):
-    """Follows redirects to http(s) only, and never from https down to http."""
+    """Follows at most MAX_REDIRECTS redirects, to http(s) only, never from https down to http, and, given
+    an allowlist, only to URLs it admits: the rule that admitted a source binds every hop of its download."""
+
+    def __init__(self, allow: tuple[str, ...] | None) -> None:
+        super().__init__()
+        self.allow = allow
+        self.num_redirects = 0
 
     def redirect_request(self, req, fp, code, msg, headers, newurl):  # noqa: ANN001, ANN202
-        old, new = urlsplit(req.full_url).scheme, urlsplit(newurl).scheme
-        if new not in ("http", "https") or (old == "https" and new != "https"):
-            raise AdapterSourceError(f"refusing the redirect from {req.full_url} to {newurl}")
+        self.check_hop(req.full_url, newurl)
         return super().redirect_request(req, fp, code, msg, headers, newurl)
 
+    def check_hop(self, old: str, new: str) -> None:
+        self.num_redirects += 1
+        if self.num_redirects > MAX_REDIRECTS:
+            raise AdapterSourceError(
+                f"{old} redirected more than {MAX_REDIRECTS} times (next to {new})",
+                public=f"the adapter source redirected more than {MAX_REDIRECTS} times",
+            )
+        old_scheme, new_scheme = urlsplit(old).scheme, urlsplit(new).scheme
+        if new_scheme not in ("http", "https") or (old_scheme == "https" and new_scheme != "https"):
+            raise AdapterSourceError(
+                f"refusing the redirect from {old} to {new}: only http(s), never from https to http",
+                public="the adapter source redirected to a URL that is not http(s), or from https to http",
+            )
+        if self.allow is not None and not _is_allowed_url(new, self.allow):
+            raise AdapterSourceError(
+                f"refusing the redirect from {old} to {new}: every redirect must stay within "
+                f"--adapter-source-allow ({', '.join(self.allow)})",
+                public="the adapter source redirected outside the allowed sources; every redirect must stay "
+                "within --adapter-source-allow",
+            )
 
-def _download(url: str, dest: Path, max_bytes: int, timeout_s: float) -> None:
-    opener = urllib.request.build_opener(_SafeRedirect())
-    request = urllib.request.Request(url, headers={"User-Agent": "loraplane"})
+
+def _is_allowed_url(url: str, allow: tuple[str, ...]) -> bool:
+    """Whether the allowlist admits an http(s) URL; a redirect target need not name an archive."""
     try:
-        with opener.open(request, timeout=timeout_s) as resp:
+        canonical = _canonical_http(url)
+    except AdapterSourceError:
+        return False
+    return is_allowed(AdapterSource(kind="http", uri=canonical, url=canonical), list(allow))
+
+
+def _download(url: str, dest: Path, limits: _Limits) -> None:
+    opener = urllib.request.build_opener(_SafeRedirect(limits.allow))
+    request = urllib.request.Request(url, headers={"User-Agent": "loraplane"})
+    budget = limits.budget
+    try:
+        with opener.open(request, timeout=limits.timeout_s) as resp:
             length = resp.headers.get("Content-Length", "")
-            if length.isdigit() and int(length) > max_bytes:
-                raise AdapterSourceError(f"{url} is {length} bytes, more than the {max_bytes} allowed")
-            _copy_stream(resp, dest, max_bytes, url)
+            if length.isdigit():  # refused before reading a byte; the body is counted as it is written
+                budget.check(int(length), f"{url} is {length} bytes, more than the {budget.left} allowed")
+            _copy_stream(resp, dest, budget, url)
     except urllib.error.HTTPError as exc:
         raise AdapterSourceError(f"cannot download {url}: HTTP {exc.code} {exc.reason}") from exc
-    except (urllib.error.URLError, TimeoutError, OSError) as exc:
-        raise AdapterSourceError(f"cannot download {url}: {exc}") from exc
+    except (urllib.error.URLError, TimeoutError, OSError, http.client.HTTPException) as exc:
+        raise AdapterSourceError(f"cannot download {url}: {type(exc).__name__}: {exc}") from exc
 
 
 # archives
@@ -417,36 +505,62 @@ class _Member:
     ref: tarfile.TarInfo | zipfile.ZipInfo
 
 
-def _extract_adapter(archive: Path, dest: Path, max_bytes: int, where: str) -> None:
-    """Check every member of the archive, then write only the adapter files into dest."""
+def _extract_adapter(archive: Path, dest: Path, budget: _Budget, where: str) -> None:
+    """Check every member of the archive, then write only the adapter files into dest, within budget."""
     try:
         if archive.name.endswith(".zip"):
             with zipfile.ZipFile(archive) as zf:
-                files = _checked_members(_zip_members(zf, where), max_bytes, where)
-                _write_files(files, zf.open, dest, max_bytes, where)  # type: ignore[arg-type]
+                files = _checked_members(_zip_members(zf, where), budget, where)
+                _write_files(files, zf.open, dest, budget, where)  # type: ignore[arg-type]
         else:
-            if not archive.name.endswith(".tar"):
-                archive = _gunzip(archive, max_bytes, where)
-            with tarfile.open(archive, "r:") as tf:  # plain tar only: no decompression without a cap
-                files = _checked_members(_tar_members(tf, where), max_bytes, where)
-                _write_files(files, tf.extractfile, dest, max_bytes, where)  # type: ignore[arg-type]
+            with _open_tar(archive, budget.limit, where) as tf:
+                files = _checked_members(_tar_members(tf, where), budget, where)
+                _write_files(files, tf.extractfile, dest, budget, where)  # type: ignore[arg-type]
     except (tarfile.TarError, zipfile.BadZipFile, zlib.error, EOFError, OSError, ValueError) as exc:
         raise AdapterSourceError(f"{where}: cannot unpack the archive ({type(exc).__name__}: {exc})") from exc
 
 
-def _gunzip(archive: Path, max_bytes: int, where: str) -> Path:
-    """Unpack a .tar.gz to a plain .tar beside it, capped so that neither data nor tar headers can blow up."""
-    plain = archive.with_name(".download.tar")
+@contextlib.contextmanager
+def _open_tar(archive: Path, max_bytes: int, where: str) -> Iterator[tarfile.TarFile]:
+    """A plain tar, or a .tar.gz decompressed as it is read (never to disk), capped so that neither data
+    nor tar headers (a GNU long name is read into memory whole) can blow up."""
+    if archive.name.endswith(".tar"):
+        with tarfile.open(archive, "r:") as tf:  # "r:": no decompression without a cap
+            yield tf
+        return
     cap = max_bytes + _TAR_OVERHEAD * (MAX_ARCHIVE_MEMBERS + 2)
-    try:
-        with gzip.open(archive, "rb") as gz:
-            _copy_stream(gz, plain, cap, f"{where} (unpacked)")
-    except BaseException:
-        plain.unlink(missing_ok=True)
-        raise
-    finally:
-        archive.unlink()
-    return plain
+    with gzip.GzipFile(archive, "rb") as gz:
+        capped = _CappedReader(gz, cap, where)
+        with tarfile.open(fileobj=capped, mode="r:") as tf:  # type: ignore[call-overload]
+            yield tf
+
+
+class _CappedReader:
+    """A seekable view of a decompressing stream that refuses to read or seek past `cap` bytes."""
+
+    def __init__(self, raw: gzip.GzipFile, cap: int, where: str) -> None:
+        self._raw, self._cap, self._where = raw, cap, where
+
+    def _check(self, end: int) -> None:
+        if end > self._cap:
+            raise AdapterSourceError(
+                f"{self._where} (unpacked) is larger than the {self._cap} bytes allowed",
+                public=f"the adapter archive unpacks to more than the {self._cap} bytes allowed",
+            )
+
+    def read(self, size: int = -1, /) -> bytes:
+        self._check(self._raw.tell() + (size if size >= 0 else self._cap + 1))
+        return self._raw.read(size)
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET, /) -> int:
+        if whence not in (os.SEEK_SET, os.SEEK_CUR):
+            raise io.UnsupportedOperation("seek from the end of a compressed stream")
+        target = offset + (self._raw.tell() if whence == os.SEEK_CUR else 0)
+        self._check(target)
+        return self._raw.seek(target)
+
+    def tell(self) -> int:
+        return self._raw.tell()
 
 
 def _safe_name(raw: str, where: str) -> str:
@@ -483,16 +597,16 @@ def _zip_members(zf: zipfile.ZipFile, where: str) -> Iterator[_Member]:
         yield _Member(_safe_name(info.filename, where), info.file_size, info.is_dir(), info)
 
 
-def _checked_members(members: Iterator[_Member], max_bytes: int, where: str) -> dict[str, _Member]:
-    """Check every member (count, total size, names, types); return the plain files by name."""
+def _checked_members(members: Iterator[_Member], budget: _Budget, where: str) -> dict[str, _Member]:
+    """Check every member (count, declared sizes against what budget has left, names, types) before
+    anything is written; return the plain files by name."""
     files: dict[str, _Member] = {}
     total = 0
     for count, member in enumerate(members, start=1):
         if count > MAX_ARCHIVE_MEMBERS:
             raise AdapterSourceError(f"{where}: archive has more than {MAX_ARCHIVE_MEMBERS} members")
         total += member.size
-        if total > max_bytes:
-            raise AdapterSourceError(f"{where}: archive unpacks to more than the {max_bytes} bytes allowed")
+        budget.check(total, f"{where}: archive unpacks to more than the {budget.left} bytes left of {budget.limit}")
         if member.is_dir or not member.name:
             continue
         if member.name in files:
@@ -519,14 +633,13 @@ def _write_files(
     files: dict[str, _Member],
     open_member: Callable[[tarfile.TarInfo | zipfile.ZipInfo], IO[bytes]],
     dest: Path,
-    max_bytes: int,
+    budget: _Budget,
     where: str,
 ) -> None:
     base = _adapter_base(set(files), where)
     inside = {n[len(base) :] for n in files if n.startswith(base) and "/" not in n[len(base) :]}
     _require_files(inside, where)
-    budget = max_bytes
     for name in ADAPTER_FILES:
         if name in inside:
             with open_member(files[base + name].ref) as src:
-                budget -= _copy_stream(src, dest / name, budget, where)
+                _copy_stream(src, dest / name, budget, where)
