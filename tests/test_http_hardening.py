@@ -8,6 +8,7 @@ import json
 import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -15,6 +16,7 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import Unsatisfiable
+from hypothesis.strategies import SearchStrategy
 from schemathesis import GenerationMode
 from test_http_support import ADMIN_TOKEN, ServerProcess, admin_headers, make_adapter_set
 
@@ -44,8 +46,12 @@ def server(adapter_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Serve
         assert proc.stop() == 0, proc.log()
 
 
-def generate(url: str, prompt: str = PROMPT, **parameters: object) -> httpx.Response:
-    return httpx.post(f"{url}/generate", json={"inputs": prompt, "parameters": parameters}, timeout=120)
+def generate(
+    url: str, prompt: str = PROMPT, headers: dict[str, str] | None = None, **parameters: object
+) -> httpx.Response:
+    return httpx.post(
+        f"{url}/generate", json={"inputs": prompt, "parameters": parameters}, headers=headers, timeout=120
+    )
 
 
 def _bounded(case: schemathesis.Case) -> schemathesis.Case:
@@ -68,15 +74,25 @@ def _bounded(case: schemathesis.Case) -> schemathesis.Case:
     return case
 
 
-def fuzz_operation(op: schemathesis.APIOperation, url: str, seen: dict[str, set[int]]) -> None:
-    """Generated requests to one operation (with the admin token), valid ones and invalid ones: never a 5xx."""
+def fuzz_operation(
+    op: schemathesis.APIOperation,
+    url: str,
+    seen: dict[str, set[int]],
+    headers: dict[str, str] | None = None,
+    examples: tuple[int, int] = (20, 10),
+    mutate: Callable[[schemathesis.Case], SearchStrategy[schemathesis.Case]] | None = None,
+) -> None:
+    """Generated requests to one operation (with the admin token unless `headers` say otherwise), `examples`
+    valid ones and invalid ones, each optionally drawn through `mutate`: never a 5xx."""
     label = f"{op.method.upper()} {op.path}"
-    for mode, examples in ((GenerationMode.POSITIVE, 20), (GenerationMode.NEGATIVE, 10)):
+    headers = admin_headers() if headers is None else headers
+    for mode, num_examples in zip((GenerationMode.POSITIVE, GenerationMode.NEGATIVE), examples, strict=True):
+        cases = op.as_strategy(generation_mode=mode).map(_bounded)
 
-        @given(case=op.as_strategy(generation_mode=mode).map(_bounded))
-        @settings(max_examples=examples, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+        @given(case=cases if mutate is None else cases.flatmap(mutate))
+        @settings(max_examples=num_examples, deadline=None, database=None, suppress_health_check=list(HealthCheck))
         def check(case: schemathesis.Case) -> None:
-            response = case.call(base_url=url, headers=admin_headers(), timeout=120)
+            response = case.call(base_url=url, headers=headers, timeout=120)
             seen.setdefault(label, set()).add(response.status_code)
             assert response.status_code < 500, f"{label}: {response.status_code} {response.text[:500]}"
 
@@ -221,9 +237,9 @@ def test_sources_outside_the_allowlist_get_403(server: ServerProcess, tmp_path: 
         assert r.json()["error"]["code"] == "source_not_allowed"
     r = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "evil", "lora_path": str(outside)}, headers=auth)
     assert r.status_code == 403
-    r = generate(url, max_new_tokens=2, adapter_id="evil", adapter_source=str(outside))
+    r = generate(url, max_new_tokens=2, adapter_id="evil", adapter_source=str(outside), headers=auth)
     assert r.status_code == 403 and r.json()["error_type"] == "validation"
-    r = generate(url, max_new_tokens=2, adapter_id=str(outside), adapter_source="local")
+    r = generate(url, max_new_tokens=2, adapter_id=str(outside), adapter_source="local", headers=auth)
     assert r.status_code == 403
     assert "evil" not in [row["id"] for row in httpx.get(f"{url}/v1/adapters", headers=auth).json()["data"]]
 

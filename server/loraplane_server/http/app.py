@@ -13,7 +13,7 @@ from fastapi import FastAPI
 
 from loraplane_server.http import routes_admin, routes_chat, routes_completions, routes_health, routes_lorax
 from loraplane_server.http.body_limit import BodyLimit
-from loraplane_server.http.errors import install_handlers
+from loraplane_server.http.errors import CatchAll, install_handlers
 from loraplane_server.http.server_config import ServerConfig
 from loraplane_server.http.state import ServerState
 
@@ -42,4 +42,5 @@ def create_app(config: ServerConfig) -> FastAPI:
     for module in (routes_lorax, routes_completions, routes_chat, routes_admin, routes_health):
         app.include_router(module.router)
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
+    app.add_middleware(CatchAll)  # outermost of ours: also catches what BodyLimit raises
     return app

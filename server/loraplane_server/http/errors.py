@@ -13,8 +13,10 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from loraplane_server.http.lifecycle import Rejected
+from loraplane_server.http.valid_text import UNICODE_ERROR
 
 log = logging.getLogger("loraplane.http")
 
@@ -74,7 +76,7 @@ def describe_validation(errors: Sequence[Any]) -> tuple[str, str | None]:
     parts, first = [], None
     for err in list(errors)[:4]:
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-        name = ".".join(loc) or "body"
+        name = (".".join(loc) + (err.get("ctx") or {}).get("path", "")) or "body"
         first = first or name
         parts.append(f"{name}: {err.get('msg', 'invalid')}")
     return "; ".join(parts) or "invalid request", first
@@ -94,6 +96,11 @@ def install_handlers(app: FastAPI) -> None:
         errors = exc.errors()
         if any(e.get("type") == "json_invalid" for e in errors):
             return error_response(request.url.path, ApiError(400, "the request body is not valid JSON"))
+        # bad Unicode is malformed text, not an out-of-range value: 400, as for malformed JSON
+        unicode = [e for e in errors if e.get("type") == UNICODE_ERROR]
+        if unicode:
+            message, param = describe_validation(unicode)
+            return error_response(request.url.path, ApiError(400, message, param, code="invalid_unicode"))
         message, param = describe_validation(errors)
         return error_response(request.url.path, ApiError(422, message, param))
 
@@ -102,7 +109,35 @@ def install_handlers(app: FastAPI) -> None:
         headers = dict(exc.headers) if exc.headers else None
         return error_response(request.url.path, ApiError(exc.status_code, str(exc.detail), headers=headers))
 
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return error_response(request.url.path, ApiError(500, f"internal error: {type(exc).__name__}"))
+
+class CatchAll:
+    """ASGI middleware: an unexpected exception becomes a JSON 500 and goes no further.
+
+    Starlette's own handler for Exception (ServerErrorMiddleware) re-raises after answering, and uvicorn
+    then closes the kept-alive connection, so the client's next request on it is reset. Once a response
+    has started (a stream) there is nothing to answer with; closing the connection is then the only signal.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as exc:
+            if started:
+                raise
+            log.exception("unhandled error on %s %s", scope.get("method"), scope.get("path"))
+            path = scope.get("path", "")
+            body = error_body(path, 500, f"internal error: {type(exc).__name__}", code="internal_error")
+            await JSONResponse(body, status_code=500)(scope, receive, send)

@@ -7,6 +7,7 @@ at once (its KV blocks are freed) and the request is counted in the metrics exac
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -94,7 +95,8 @@ class Generation:
         finally:
             self.state.lifecycle.started()
         if self._first.finish_reason == "error" and not self._first.token_ids:
-            raise ApiError(400, self._first.error or "the request failed", code="adapter_load_failed")
+            error = self.state.public_error(self.adapter_id, self._first.error or "the request failed")
+            raise ApiError(400, error, code="adapter_load_failed")
         self._start_failed = False
 
     async def events(self) -> AsyncIterator[TokenEvent]:
@@ -152,7 +154,7 @@ class Generation:
         if token is not None:
             self.token_ids.append(token)
             if self.params.logprobs and out.logprobs:
-                logprob = out.logprobs[-1]
+                logprob = _finite(out.logprobs[-1])
             self.logprobs.append(logprob)
             if self._last_token_time is not None:
                 self.state.metrics.itl.observe(now - self._last_token_time)
@@ -204,6 +206,11 @@ class Generation:
             h["x-queue-time"] = _ms(max(0.0, ttft - per_token))
             h["x-inference-time"] = _ms(self.end_time - self.arrival - max(0.0, ttft - per_token))
         return h
+
+
+def _finite(logprob: float | None) -> float | None:
+    """JSON has no NaN or Infinity: a non-finite logprob (degenerate logits) is reported as null."""
+    return logprob if logprob is not None and math.isfinite(logprob) else None
 
 
 def _ms(seconds: float) -> str:

@@ -1,4 +1,8 @@
-"""Prompts to token ids: encoding, the chat template, and the context-length check (400 with the limits)."""
+"""Prompts to token ids: encoding, the chat template, and the context-length check (400 with the limits).
+
+Encoding a long prompt or rendering a template takes seconds for a few MB of text: routes call these
+through asyncio.to_thread, so the event loop (and /health, and every other request) keeps going.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,13 @@ from loraplane_server.http.state import ServerState
 
 def encode(state: ServerState, text: str) -> list[int]:
     engine, _ = state.require_engine()
+    if engine.tokenizer is None:
+        raise ApiError(400, f"{state.config.model_name} has no tokenizer: send token ids", code="no_tokenizer")
     return engine.tokenizer.encode(text, add_special_tokens=False)
+
+
+def chat_prompt_ids(state: ServerState, messages: list[dict[str, str]]) -> list[int]:
+    return encode(state, chat_prompt(state, messages))
 
 
 def check_token_ids(state: ServerState, token_ids: list[int], param: str) -> list[int]:
@@ -32,7 +42,7 @@ def chat_prompt(state: ServerState, messages: list[dict[str, str]]) -> str:
     """The tokenizer's own chat template, ending with the assistant's turn."""
     engine, _ = state.require_engine()
     tok = engine.tokenizer
-    if not getattr(tok, "chat_template", None):
+    if tok is None or not getattr(tok, "chat_template", None):
         raise ApiError(
             400,
             f"{state.config.model_name} has no chat template: use /v1/completions",

@@ -6,6 +6,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from loraplane_server.http.protocol_openai import REPETITION_PENALTY_DOC, TEMPERATURE_DOC, TOP_P_DOC
+from loraplane_server.http.valid_text import ValidText
+from loraplane_server.sampling_params import MIN_REPETITION_PENALTY
+
 MAX_STOP = 16
 
 
@@ -24,13 +28,15 @@ class LoraxParameters(BaseModel):
     do_sample: bool = False
     max_new_tokens: int | None = Field(default=None, ge=1, le=1 << 20)
     ignore_eos_token: bool = False
-    repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)
+    repetition_penalty: float | None = Field(
+        default=None, ge=MIN_REPETITION_PENALTY, le=10.0, description=REPETITION_PENALTY_DOC
+    )
     return_full_text: bool = False
     stop: list[str] = Field(default_factory=list, max_length=MAX_STOP)
     seed: int | None = Field(default=None, ge=0, le=(1 << 63) - 1)
-    temperature: float | None = Field(default=None, ge=0.0, le=100.0)
+    temperature: float | None = Field(default=None, ge=0.0, le=100.0, description=TEMPERATURE_DOC)
     top_k: int | None = Field(default=None, ge=0, le=1 << 20)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0, description=TOP_P_DOC)
     truncate: int | None = Field(default=None, ge=1, le=1 << 20)
     typical_p: float | None = Field(default=None, gt=0.0, le=1.0)
     best_of: int | None = Field(default=None, ge=1, le=1)
@@ -41,7 +47,9 @@ class LoraxParameters(BaseModel):
     response_format: dict | None = Field(default=None, description="not supported; must be absent")
 
 
-class GenerateRequest(BaseModel):
+class GenerateRequest(ValidText):
+    """Every string, in parameters too, must be valid Unicode (a lone surrogate is a 400 naming the field)."""
+
     inputs: str = Field(min_length=1)
     parameters: LoraxParameters = Field(default_factory=lambda: LoraxParameters())
     stream: bool = False

@@ -6,24 +6,37 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from loraplane_server.http.valid_text import ValidText
+from loraplane_server.sampling_params import GREEDY_BELOW, MIN_REPETITION_PENALTY, MIN_TOP_P
+
 MAX_STOP = 16
 MAX_TOKEN_ID = (1 << 31) - 1
+TEMPERATURE_DOC = f"0 is greedy; so is any value below {GREEDY_BELOW:g} (as in vLLM)"
+TOP_P_DOC = f"below {MIN_TOP_P:g} counts as {MIN_TOP_P:g} (float32's range): either keeps the top token alone"
+REPETITION_PENALTY_DOC = (
+    f"1 is off; at least {MIN_REPETITION_PENALTY:g}: a penalty p divides seen tokens' positive logits by p, "
+    "and a tinier p would overflow them"
+)
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class SamplingFields(BaseModel):
-    """What the two OpenAI routes share, plus vLLM's extensions (top_k, repetition_penalty, ignore_eos)."""
+class SamplingFields(ValidText):
+    """What the two OpenAI routes share, plus vLLM's extensions (top_k, repetition_penalty, ignore_eos).
+
+    Every string must be valid Unicode (a lone surrogate is a 400 naming the field)."""
 
     model_config = ConfigDict(extra="ignore")
 
     model: str = Field(min_length=1, max_length=1024, description="the base model's name, or an adapter id")
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0, description=TEMPERATURE_DOC)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0, description=TOP_P_DOC)
     top_k: int | None = Field(default=None, ge=-1, le=1 << 20, description="vLLM extension; -1 or 0 disables it")
-    repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0, description="vLLM extension")
+    repetition_penalty: float | None = Field(
+        default=None, ge=MIN_REPETITION_PENALTY, le=10.0, description=f"vLLM extension; {REPETITION_PENALTY_DOC}"
+    )
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0, description="only 0 is supported")
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0, description="only 0 is supported")
     stop: str | list[str] | None = Field(default=None)

@@ -26,7 +26,7 @@ from loraplane_server.http.openai_common import (
     token_strings,
     usage,
 )
-from loraplane_server.http.prompting import chat_prompt, check_budget, encode
+from loraplane_server.http.prompting import chat_prompt_ids, check_budget
 from loraplane_server.http.protocol_openai import ChatCompletionRequest
 from loraplane_server.http.sampling import unsupported
 from loraplane_server.http.sse import SSEResponse
@@ -45,7 +45,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
         raise ApiError(422, f"n={body.n} is more than the {state.config.max_choices} choices allowed", param="n")
     adapter_id = openai_adapter(state, body.model)
     messages = [{"role": m.role, "content": m.text()} | ({"name": m.name} if m.name else {}) for m in body.messages]
-    ids = encode(state, chat_prompt(state, messages))
+    ids = await asyncio.to_thread(chat_prompt_ids, state, messages)
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     max_new = check_budget(state, len(ids), body.max_completion_tokens or body.max_tokens, param)
     gens = make_generations(state, "openai", body, [ids], [max_new], body.logprobs, arrival, adapter_id)

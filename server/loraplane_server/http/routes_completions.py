@@ -44,7 +44,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     if body.suffix:
         raise unsupported("suffix", "suffix (insertion)")
     adapter_id = openai_adapter(state, body.model)
-    texts, prompts = _prompts(state, body)
+    texts, prompts = await asyncio.to_thread(_prompts, state, body)
     if len(prompts) * body.n > state.config.max_choices:
         raise ApiError(
             422,

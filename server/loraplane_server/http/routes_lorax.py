@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -42,7 +43,7 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
 
 @router.post("/generate_stream", responses=_SSE_DOC)
 async def generate_stream(body: GenerateRequest, request: Request) -> Response:
-    return await _stream(get_state(request), body)
+    return await _stream(get_state(request), body, request)
 
 
 @router.post("/", response_model=list[GenerateResponse], responses=_SSE_DOC)
@@ -50,12 +51,12 @@ async def compat_generate(body: GenerateRequest, request: Request) -> Response:
     """TGI's compatibility route (what lorax-client posts to): a one-element list, or SSE if `stream`."""
     state = get_state(request)
     if body.stream:
-        return await _stream(state, body)
+        return await _stream(state, body, request)
     data, headers = await _generate(state, body, request)
     return JSONResponse([data], headers=headers)
 
 
-async def _prepare(state: ServerState, body: GenerateRequest) -> tuple[Generation, int | None]:
+async def _prepare(state: ServerState, body: GenerateRequest, request: Request) -> tuple[Generation, int | None]:
     arrival = time.monotonic()
     p = body.parameters
     if p.merged_adapters is not None:
@@ -66,8 +67,8 @@ async def _prepare(state: ServerState, body: GenerateRequest) -> tuple[Generatio
         raise unsupported("parameters.watermark", "watermarking")
     if p.typical_p not in (None, 1.0):
         raise unsupported("parameters.typical_p", "typical sampling")
-    adapter_id = await lorax_adapter(state, p.adapter_id, p.adapter_source)
-    ids = encode(state, body.inputs)
+    adapter_id = await lorax_adapter(state, request, p.adapter_id, p.adapter_source)
+    ids = await asyncio.to_thread(encode, state, body.inputs)
     if p.truncate is not None:
         ids = ids[-p.truncate :]
     if p.max_new_tokens is None:
@@ -106,7 +107,7 @@ def _token(ev: TokenEvent) -> dict:
 
 
 async def _generate(state: ServerState, body: GenerateRequest, request: Request) -> tuple[dict, dict[str, str]]:
-    gen, seed = await _prepare(state, body)
+    gen, seed = await _prepare(state, body, request)
     tokens = []
     try:
         await gen.start()
@@ -120,20 +121,24 @@ async def _generate(state: ServerState, body: GenerateRequest, request: Request)
     text = body.inputs + gen.text if body.parameters.return_full_text else gen.text
     data: dict = {"generated_text": text}
     if body.parameters.details:
-        prefill = [{"id": i, "text": decode(state, [i]), "logprob": None} for i in gen.prompt_ids]
+        prefill = await asyncio.to_thread(_prefill, state, gen) if body.parameters.decoder_input_details else []
         data["details"] = {
             "finish_reason": _finish_reason(gen),
             "prompt_tokens": len(gen.prompt_ids),
             "generated_tokens": len(gen.token_ids),
             "seed": seed,
-            "prefill": prefill if body.parameters.decoder_input_details else [],
+            "prefill": prefill,
             "tokens": tokens,
         }
     return data, gen.headers()
 
 
-async def _stream(state: ServerState, body: GenerateRequest) -> Response:
-    gen, seed = await _prepare(state, body)
+def _prefill(state: ServerState, gen: Generation) -> list[dict]:
+    return [{"id": i, "text": decode(state, [i]), "logprob": None} for i in gen.prompt_ids]
+
+
+async def _stream(state: ServerState, body: GenerateRequest, request: Request) -> Response:
+    gen, seed = await _prepare(state, body, request)
     try:
         await gen.start()
     except BaseException:
