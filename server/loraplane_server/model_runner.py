@@ -43,6 +43,7 @@ class ModelRunner:
         self.decode_attention = decode_attention  # torch | cpu_kernel | triton (layers/attention.py)
         self.layer_kernels = layer_kernels  # the bf16 CPU kernels for linear, norm/rotary/activation and BGMV
         self.generators: dict[int, torch.Generator | None] = {}  # seq id -> its own RNG
+        self.nonfinite: list[Sequence] = []  # sequences whose logits were NaN or inf, for the engine to fail
 
     def prepare(self, scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, ForwardBatch, list[Sequence]]:
         """Flatten a step into input ids and a ForwardBatch; decodes first, then prefill chunks."""
@@ -132,9 +133,29 @@ class ModelRunner:
         """One forward pass; returns the sequences that sampled, their tokens and logprobs."""
         input_ids, batch, samplers = self.prepare(scheduled)
         logits = self.model(input_ids, self.kv_caches, batch)  # [S, V]
+        logits, samplers = self._drop_nonfinite(logits, samplers)
         if not samplers:
             return [], [], []
         gens = [self.generators.get(s.seq_id) for s in samplers]
         seen = [s.token_ids if s.params.repetition_penalty != 1.0 else [] for s in samplers]
         tokens, logprobs = self.sampler(logits, [s.params for s in samplers], gens, seen)
         return samplers, tokens.tolist(), logprobs.tolist()
+
+    def _drop_nonfinite(self, logits: torch.Tensor, samplers: list[Sequence]) -> tuple[torch.Tensor, list[Sequence]]:
+        """Set aside the rows whose logits hold NaN or inf (validation keeps them out, this is the backstop):
+        their sequences go to `nonfinite` and their KV blocks are zeroed, so a block's next owner never
+        reads a stale NaN; the other rows sample as usual."""
+        finite = torch.isfinite(logits).all(dim=-1)  # [S]
+        if not samplers or bool(finite.all()):
+            return logits, samplers
+        keep = finite.tolist()
+        for seq in (s for s, ok in zip(samplers, keep, strict=True) if not ok):
+            self.kv_caches[:, :, seq.block_table] = 0
+            self.nonfinite.append(seq)
+        rows = torch.tensor([i for i, ok in enumerate(keep) if ok], dtype=torch.int64, device=logits.device)
+        return logits.index_select(0, rows), [s for s, ok in zip(samplers, keep, strict=True) if ok]
+
+    def take_nonfinite(self) -> list[Sequence]:
+        """The sequences set aside since the last call (see _drop_nonfinite)."""
+        seqs, self.nonfinite = self.nonfinite, []
+        return seqs

@@ -79,6 +79,10 @@ def _decode(
     kvh = k_cache.shape[2]
     keys = _gather(k_cache, batch.decode_block_tables).transpose(1, 2)  # [Bd, KVH, L, D]
     values = _gather(v_cache, batch.decode_block_tables).transpose(1, 2)
+    # masked positions are padding or another sequence's stale rows: zeroed, as a NaN there would reach
+    # this row through SDPA (0 x NaN)
+    outside = ~batch.decode_mask.transpose(-1, -2)  # [Bd, 1, L, 1]
+    keys, values = keys.masked_fill_(outside, 0.0), values.masked_fill_(outside, 0.0)
     # the query heads of one kv group ride the query-length axis: no kv repeat needed
     qg = q.view(bd, kvh, h // kvh, d)  # [Bd, KVH, G, D]
     out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=batch.decode_mask, scale=scale)

@@ -3,10 +3,12 @@
 CPU kernel (packed slots: bf16 with the CPU kernels): one call per layer covers every row of the
 step, decode and prefill alike: csrc/lora_cpu.cpp (`bgmv_packed_`) reads each row's slot in place
 from its one contiguous run per layer (lora/slots.py) and multiplies each targeted projection's A and B.
-Torch path (CPU), decode tokens: with few distinct adapters among them, the used slots' A and B
-are gathered once and every token multiplies against all of them, its own slot's columns kept by
-a one-hot mask (dense: plain matmuls, small weight traffic); with many, each token gathers its
-own slot's A and B for two batched matmuls (BGMV: weight traffic per token, FLOPs per token).
+Torch path (CPU), decode tokens: with few distinct adapters among them, the rows of each used slot
+are taken together and multiplied by that slot's A and B in place (grouped: plain matmuls, each
+adapter read once); with many, each token gathers its own slot's A and B for two batched matmuls
+(BGMV: weight traffic per token, FLOPs per token).
+No path multiplies a row by another slot's weights, not even by zero: 0 x NaN is NaN, so a row's
+output never depends on the values of an adapter it does not use (a hostile one's NaN stays its own).
 Prefill tokens come in contiguous chunks of one sequence, merged into runs of one slot and
 multiplied per run (segments by adapter). No Python loop over requests.
 Triton path (CUDA, or TRITON_INTERPRET=1): the same segments in one SGMV launch per matmul.
@@ -22,7 +24,7 @@ from loraplane_server.lora.slots import LoRASlots
 
 
 class LoRABatch:
-    DENSE_MAX_SLOTS = 16  # distinct decode adapters up to which the dense path beats BGMV on CPU
+    DENSE_MAX_SLOTS = 16  # distinct decode adapters up to which grouped matmuls beat BGMV on CPU
 
     def __init__(
         self,
@@ -62,14 +64,11 @@ class LoRABatch:
         decode_used = sorted({s for s in decode_slots if s != slots.none_slot})
         # every decode row on one adapter (a lone request, or one hot adapter): plain matmuls on its slot
         self.single = decode_used[0] if len(set(decode_slots)) == 1 and decode_used else None
-        self.dense = None
+        self.grouped: list[tuple[int, torch.Tensor]] | None = None  # (slot, its decode rows)
         if self.single is None and 0 < len(decode_used) <= self.DENSE_MAX_SLOTS and not use_triton:
-            pos = {s: i for i, s in enumerate(decode_used)}
-            onehot = torch.zeros(len(decode_slots), len(decode_used), device=device)  # [Bd, U]
-            for row, s in enumerate(decode_slots):
-                if s in pos:
-                    onehot[row, pos[s]] = 1.0
-            self.dense = (torch.tensor(decode_used, device=device), onehot)
+            self.grouped = [
+                (s, torch.tensor([i for i, r in enumerate(decode_slots) if r == s], device=device)) for s in decode_used
+            ]
         if use_triton:
             self._build_triton_segments(decode_slots, device)
 
@@ -118,8 +117,8 @@ class LoRABatch:
         w = self.decode_width[layer.kind]
         if self.single is not None and w:
             out[:nd] += (x[:nd] @ a[self.single, :w].T) @ bt[self.single, :w]
-        elif self.dense is not None and w:
-            self._decode_dense(a, bt, w, x[:nd], out[:nd])
+        elif self.grouped is not None and w:
+            self._decode_grouped(layer.kind, a, bt, x[:nd], out[:nd])
         elif self.decode_slots is not None and w:
             h = torch.bmm(a[:, :w][self.decode_slots], x[:nd].unsqueeze(-1))  # [Bd, w, 1]
             out[:nd] += torch.bmm(h.transpose(1, 2), bt[:, :w][self.decode_slots]).squeeze(1)  # [Bd, out]
@@ -129,14 +128,13 @@ class LoRABatch:
                 out[start:end] += (x[start:end] @ a[slot, :w].T) @ bt[slot, :w]
         return out
 
-    def _decode_dense(self, a: torch.Tensor, bt: torch.Tensor, w: int, x: torch.Tensor, out: torch.Tensor) -> None:
-        assert self.dense is not None
-        used, onehot = self.dense
-        u = used.numel()
-        a_used = a[used, :w].reshape(u * w, -1)  # [U*w, in]
-        bt_used = bt[used, :w].reshape(u * w, bt.shape[-1])  # [U*w, out]
-        h = (x @ a_used.T).view(-1, u, w) * onehot.to(x.dtype).unsqueeze(-1)  # [Bd, U, w], own slot only
-        out += h.view(-1, u * w) @ bt_used
+    def _decode_grouped(self, kind: str, a: torch.Tensor, bt: torch.Tensor, x: torch.Tensor, out: torch.Tensor) -> None:
+        assert self.grouped is not None
+        for slot, rows in self.grouped:
+            w = self.slots.widths[slot].get(kind)
+            if w:
+                delta = (x.index_select(0, rows) @ a[slot, :w].T) @ bt[slot, :w]  # [rows, out]
+                out.index_add_(0, rows, delta)
 
     # triton
     def _build_triton_segments(self, decode_slots: list[int], device: torch.device) -> None:

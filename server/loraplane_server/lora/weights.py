@@ -2,6 +2,12 @@
 
 A = lora_A [r, in], B = lora_B [out, r]; the delta is x @ A.T @ B.T * scale, and the scale is
 folded into B here (lora_alpha / r, or lora_alpha / sqrt(r) for rsLoRA, per module patterns).
+
+Adapter files are untrusted (any client may name a source). What is validated is the effective
+adapter, the tensors the engine will multiply: the config's numbers are typed and finite, the folded
+scale is within MAX_ABS_SCALE, and every stored tensor (A, and B with the scale folded in, in the
+engine dtype) is finite and within MAX_ABS_WEIGHT. Pattern keys (alpha_pattern, rank_pattern) are
+matched as PEFT does in practice, a module-name suffix, by string comparison: no user regex is run.
 """
 
 from __future__ import annotations
@@ -19,6 +25,16 @@ from safetensors.torch import load_file
 from loraplane_server.models.llama import TARGET_MODULES, ModelArgs
 
 _KEY = re.compile(r"layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
+
+# Bounds no trained adapter comes near: the example adapters fold to |B * scale| <= 0.2 and |A| <= 0.16
+# (scales 2-4); the tests' stress adapters to 20. Beyond them a bf16/fp16 activation overflows within
+# a few layers, so such an adapter is refused at load instead of producing inf at run time.
+MAX_ABS_SCALE = 1e4
+MAX_ABS_WEIGHT = 1e3
+MAX_CONFIG_BYTES = 1 << 20
+MAX_PATTERNS = 4096  # entries per alpha_pattern / rank_pattern; one per module of an 80-layer model is 560
+MAX_PATTERN_KEY = 512
+_PATTERN_KEY_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-")
 
 
 class AdapterError(ValueError):
@@ -59,10 +75,14 @@ def read_adapter_config(path: Path) -> dict:
         raise AdapterError(f"adapter directory {path} does not exist")
     if not cfg_path.is_file():
         raise AdapterError(f"{path} has no adapter_config.json (expected a PEFT LoRA adapter)")
+    if cfg_path.stat().st_size > MAX_CONFIG_BYTES:
+        raise AdapterError(f"adapter_config.json is larger than {MAX_CONFIG_BYTES} bytes")
     try:
         cfg = json.loads(cfg_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except ValueError as exc:  # bad JSON, bad UTF-8, or an integer beyond Python's digit limit
         raise AdapterError(f"adapter_config.json is not valid JSON: {exc}") from exc
+    except RecursionError as exc:
+        raise AdapterError("adapter_config.json nests too deeply") from exc
     if not isinstance(cfg, dict):
         raise AdapterError("adapter_config.json must hold a JSON object")
     _check_config(cfg)
@@ -79,26 +99,84 @@ def _check_config(cfg: dict) -> None:
         raise AdapterError(f"modules_to_save {cfg['modules_to_save']} is not supported (only LoRA deltas)")
     if cfg.get("bias", "none") != "none":
         raise AdapterError(f"bias={cfg['bias']!r} is not supported (only 'none')")
-    targets = cfg.get("target_modules")
-    if isinstance(targets, list):
-        unknown = sorted(set(targets) - set(TARGET_MODULES))
-        if unknown:
-            raise AdapterError(f"unknown target modules {unknown}; supported: {', '.join(TARGET_MODULES)}")
+    _check_targets(cfg.get("target_modules"))
     r = cfg.get("r", 8)
-    if not isinstance(r, int) or r < 1:
-        raise AdapterError(f"r={r!r} must be a positive integer")
+    if not _is_int(r) or r < 1:
+        raise AdapterError(f"r={repr(r)[:40]} must be a positive integer")
+    _check_alpha("lora_alpha", cfg.get("lora_alpha", 8))
+    if not isinstance(cfg.get("use_rslora", False), bool | None):
+        raise AdapterError(f"use_rslora={cfg['use_rslora']!r} must be true or false")
+    for key, value in _patterns(cfg, "alpha_pattern").items():
+        _check_alpha(f"alpha_pattern[{key!r}]", value)
+    for key, value in _patterns(cfg, "rank_pattern").items():
+        if not _is_int(value) or value < 1:
+            raise AdapterError(f"rank_pattern[{key!r}]={repr(value)[:40]} must be a positive integer")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_alpha(name: str, value: object) -> None:
+    try:
+        finite = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    except OverflowError:  # a JSON integer too large for a float
+        finite = False
+    if not finite:
+        raise AdapterError(f"{name}={repr(value)[:40]} must be a finite number")
+
+
+def _check_targets(targets: object) -> None:
+    """A list of module names, or a string (PEFT: a regex over module names, never compiled here: which
+    modules an adapter changes comes from its tensors)."""
+    if targets is None or (isinstance(targets, str) and len(targets) <= MAX_PATTERN_KEY):
+        return
+    if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
+        raise AdapterError(f"target_modules must be a list of module names (or a string of at most {MAX_PATTERN_KEY})")
+    unknown = sorted(set(targets) - set(TARGET_MODULES))
+    if unknown:
+        raise AdapterError(f"unknown target modules {unknown}; supported: {', '.join(TARGET_MODULES)}")
+
+
+def _patterns(cfg: dict, name: str) -> dict:
+    """alpha_pattern / rank_pattern, checked: an object of at most MAX_PATTERNS module-name keys."""
+    patterns = cfg.get(name) or {}
+    if not isinstance(patterns, dict):
+        raise AdapterError(f"{name} must be an object mapping module names to values")
+    if len(patterns) > MAX_PATTERNS:
+        raise AdapterError(f"{name} has {len(patterns)} entries; at most {MAX_PATTERNS} are supported")
+    for key in patterns:
+        body = key.removeprefix("^")
+        if not body or len(body) > MAX_PATTERN_KEY or not set(body) <= _PATTERN_KEY_CHARS:
+            raise AdapterError(
+                f"{name} key {key[:80]!r}: expected a module name or suffix such as 'q_proj' or "
+                "'layers.3.self_attn.q_proj' (optionally with a leading '^'); regular expressions are not supported"
+            )
+    return patterns
 
 
 def _pattern_value(patterns: dict, module_path: str, default: float) -> float:
-    for key, value in (patterns or {}).items():
-        if re.match(rf"(.*\.)?({key})$", module_path):
+    """The value of the first key naming module_path, as PEFT's (.*\\.)?(key)$: the whole name, or a suffix
+    after a dot; a leading '^' asks for the whole name. String comparison, linear in the key's length."""
+    for key, value in patterns.items():
+        if key.startswith("^"):
+            if module_path == key[1:]:
+                return value
+        elif module_path == key or module_path.endswith("." + key):
             return value
     return default
 
 
 def _scale(cfg: dict, module_path: str, rank: int) -> float:
-    alpha = _pattern_value(cfg.get("alpha_pattern", {}), module_path, cfg.get("lora_alpha", 8))
-    return alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
+    """alpha / r (or / sqrt(r) for rsLoRA) of one module; cfg as read_adapter_config checked it."""
+    alpha = _pattern_value(cfg.get("alpha_pattern") or {}, module_path, cfg.get("lora_alpha", 8))
+    scale = alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
+    if not abs(scale) <= MAX_ABS_SCALE:
+        raise AdapterError(
+            f"{module_path}: lora_alpha {alpha!r} over rank {rank} gives scale {scale:g}; "
+            f"at most {MAX_ABS_SCALE:g} in magnitude is supported"
+        )
+    return scale
 
 
 def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -165,8 +243,19 @@ def _check_pair(
         raise AdapterError(f"{where}: weights contain NaN or infinity")
     block = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
     path = f"model.layers.{layer}.{block}.{module}"
-    expected = int(_pattern_value(cfg.get("rank_pattern", {}), path, cfg.get("r", rank)))
+    expected = _pattern_value(cfg.get("rank_pattern") or {}, path, cfg.get("r", rank))
     if expected != rank:
         raise AdapterError(f"{where}: tensors have rank {rank} but adapter_config.json says {expected}")
-    scale = _scale(cfg, path, rank)
-    return a.to(dtype).contiguous(), (b.float() * scale).to(dtype).contiguous()
+    folded_a, folded_b = a.to(dtype).contiguous(), (b.float() * _scale(cfg, path, rank)).to(dtype).contiguous()
+    _check_magnitude(f"{where}: lora_A", folded_a)
+    _check_magnitude(f"{where}: lora_B times its scale", folded_b)
+    return folded_a, folded_b
+
+
+def _check_magnitude(what: str, tensor: torch.Tensor) -> None:
+    """Finite and within MAX_ABS_WEIGHT, in the dtype the engine multiplies (a cast may overflow)."""
+    peak = tensor.abs().max().item() if tensor.numel() else 0.0  # max propagates NaN
+    if not math.isfinite(peak):
+        raise AdapterError(f"{what} holds NaN or infinity in {str(tensor.dtype).removeprefix('torch.')}")
+    if peak > MAX_ABS_WEIGHT:
+        raise AdapterError(f"{what} reaches {peak:g}; at most {MAX_ABS_WEIGHT:g} in magnitude is supported")
