@@ -258,16 +258,17 @@ def test_lorax_registers_an_allowed_adapter_source_on_the_fly(
     server: ServerProcess, lorax: Client, adapter_dir: Path
 ) -> None:
     expected = lorax.generate(PROMPTS[2], adapter_id="a02", max_new_tokens=6).generated_text
-    local = lorax.generate(PROMPTS[2], adapter_id=str(adapter_dir / "a02"), adapter_source="local", max_new_tokens=6)
+    admin = Client(server.url, headers=admin_headers(), timeout=120)  # registering needs the admin token
+    local = admin.generate(PROMPTS[2], adapter_id=str(adapter_dir / "a02"), adapter_source="local", max_new_tokens=6)
     assert local.generated_text == expected
     body = {
         "inputs": PROMPTS[2],
         "parameters": {"adapter_id": "fly-a02", "adapter_source": str(adapter_dir / "a02"), "max_new_tokens": 6},
     }
-    r = httpx.post(f"{server.url}/generate", json=body, timeout=60)
+    r = httpx.post(f"{server.url}/generate", json=body, timeout=60, headers=admin_headers())
     assert r.status_code == 200 and r.json()["generated_text"] == expected and r.headers["x-adapter-id"] == "fly-a02"
     body["parameters"]["adapter_source"] = str(adapter_dir / "a01")  # the same id, another source
-    r = httpx.post(f"{server.url}/generate", json=body, timeout=60)
+    r = httpx.post(f"{server.url}/generate", json=body, timeout=60, headers=admin_headers())
     assert r.status_code == 409 and r.json()["error_type"] == "validation"
     rows = httpx.get(f"{server.url}/v1/adapters", headers=admin_headers()).json()["data"]
     ids = [row["id"] for row in rows]

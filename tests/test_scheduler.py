@@ -8,7 +8,7 @@ from collections.abc import Callable
 import pytest
 
 from loraplane_server.block_manager import BlockManager
-from loraplane_server.lora.slot_table import SlotTable
+from loraplane_server.lora.slot_table import PinLimitError, SlotTable
 from loraplane_server.sampling_params import SamplingParams
 from loraplane_server.scheduler import Scheduler, SchedulerOutput
 from loraplane_server.sequence import FinishReason, Sequence, SequenceStatus
@@ -465,3 +465,60 @@ def test_drained_slot_goes_to_the_adapter_waiting_for_it() -> None:
     out = sim.step()
     assert out.slot_loads == [(0, "b")], "the drained slot went back to the drained adapter"
     assert [s for s, _ in out.scheduled] == [b]
+
+
+# pinning: one slot always serves the unpinned
+
+
+def test_pins_stop_one_short_of_the_slot_count() -> None:
+    slots = SlotTable(3)
+    slots.pin("a")
+    slots.pin("b")
+    slots.pin("a")  # already pinned: no change, no error
+    with pytest.raises(PinLimitError, match=r"at most 2 can be.*--max-loras"):
+        slots.pin("c")
+    assert slots.pinned == {"a", "b"}
+    slots.unpin("a")
+    slots.pin("c")
+    with pytest.raises(PinLimitError):
+        SlotTable(1).pin("a")  # one slot: nothing can be pinned
+
+
+def test_pinned_adapters_keep_their_slots_but_never_all_of_them() -> None:
+    slots = SlotTable(2)
+    slots.pin("a")
+    slots.acquire("a", ref=False)
+    slots.acquire("b", ref=False)
+    assert slots.acquire("c", ref=False) == (1, True)  # b, not the pinned a, makes room
+    assert slots.lookup("a") == 0 and slots.is_protected("a")
+    slots.pinned.add("c")  # bypassing pin(): every slot now holds a pinned adapter
+    assert not slots.is_protected("a") and slots.can_acquire("d")
+
+
+def test_hot_pinned_adapters_cannot_starve_an_unpinned_one() -> None:
+    """Both slots held by pinned adapters with requests always queued (what pinning 2 of 2 did): a
+    request for a third adapter still gets a slot, by draining one of them."""
+    sim = Sim(num_blocks=400, max_num_seqs=4, num_slots=2)
+    sim.slots.pinned.update({"a", "b"})  # as the engine did before pins were bounded
+    late: Sequence | None = None
+    for step in range(60):
+        keep_queued(sim, "a")
+        keep_queued(sim, "b")
+        if step == 3:
+            late = sim.add(prompt(4, 9000), 3, "c")
+        sim.step()
+    assert late is not None and late.status != SequenceStatus.WAITING, "the unpinned adapter never got a slot"
+
+
+def test_one_pinned_hot_adapter_keeps_its_slot_while_others_rotate() -> None:
+    sim = Sim(num_blocks=400, max_num_seqs=4, num_slots=2)
+    sim.slots.pin("a")
+    late: list[Sequence] = []
+    for step in range(80):
+        keep_queued(sim, "a")
+        if step % 10 == 3:
+            late.append(sim.add(prompt(4, 9000 + step), 3, f"u{step}"))
+        sim.step()
+        if step > 0:
+            assert sim.slots.lookup("a") == 0, "the pinned adapter lost its slot"
+    assert all(s.status != SequenceStatus.WAITING for s in late[:-1]), "an unpinned adapter never got the free slot"

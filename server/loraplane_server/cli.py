@@ -57,6 +57,10 @@ def _params(a: argparse.Namespace) -> SamplingParams:
     )
 
 
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
 def _serve_args(p: argparse.ArgumentParser) -> None:
     from loraplane_server.http.server_config import parse_bytes
 
@@ -66,7 +70,12 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", help="the base model's name in the API (default: --model)")
     p.add_argument("--max-model-len", type=int, help="context length (default: the model's own)")
     p.add_argument("--num-kv-blocks", type=int, help="KV-cache blocks (default: from --kv-cache-gib)")
-    p.add_argument("--max-loras", type=int, default=8, help="device adapter slots: distinct adapters per step")
+    p.add_argument(
+        "--max-loras",
+        type=int,
+        default=8,
+        help="device adapter slots: distinct adapters per step; at most N-1 adapters can be pinned",
+    )
     p.add_argument("--max-lora-rank", type=int, default=64)
     p.add_argument("--host-cache-bytes", type=parse_bytes, default="2GiB", help="adapter cache in host memory")
     p.add_argument("--disk-cache-bytes", type=parse_bytes, default="20GiB", help="adapter cache on local disk")
@@ -75,7 +84,16 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--admin-token",
         default=os.environ.get("LORAPLANE_ADMIN_TOKEN"),
-        help="bearer token for the admin routes (default: $LORAPLANE_ADMIN_TOKEN; none: open)",
+        help="bearer token for the admin routes and for registering new adapters from any route "
+        "(default: $LORAPLANE_ADMIN_TOKEN; none: both open)",
+    )
+    p.add_argument(
+        "--allow-anonymous-adapter-load",
+        action="store_true",
+        default=_env_flag("LORAPLANE_ALLOW_ANONYMOUS_ADAPTER_LOAD"),
+        help="with --admin-token: let clients without the token register new adapters through "
+        "/generate's adapter_source or an org/repo adapter_id (default: off, they get 401; "
+        "$LORAPLANE_ALLOW_ANONYMOUS_ADAPTER_LOAD=1 turns it on)",
     )
     p.add_argument(
         "--adapter-source-allow",
@@ -129,6 +147,7 @@ def _server_config(a: argparse.Namespace):  # noqa: ANN202 - imported lazily: ch
         served_model_name=a.served_model_name,
         max_queue=a.max_queue,
         admin_token=a.admin_token or None,
+        allow_anonymous_adapter_load=a.allow_anonymous_adapter_load,
         adapter_source_allow=tuple(a.adapter_source_allow),
         max_body_bytes=a.max_body_bytes,
         shutdown_grace_s=a.shutdown_grace,

@@ -206,6 +206,7 @@ class LLMEngine:
             seq.first_scheduled_time = seq.first_scheduled_time or now
             seq.num_computed_tokens += n
             self.block_manager.commit(seq)
+        outputs += self._fail_nonfinite()
         now = time.monotonic()
         for seq, token, logprob in zip(samplers, tokens, logprobs, strict=True):
             seq.append_token(token, logprob if seq.params.logprobs else None)
@@ -297,6 +298,13 @@ class LLMEngine:
                 self.slots.evict(adapter_id)
         return outputs
 
+    def _fail_nonfinite(self) -> list[RequestOutput]:
+        """Requests whose logits came out NaN or inf this step (the runner set them aside): each fails alone."""
+        return [
+            self._fail(seq, f"the model produced NaN or infinite values for this request{_on_adapter(seq)}")
+            for seq in self.runner.take_nonfinite()
+        ]
+
     def _fail(self, seq: Sequence, error: str) -> RequestOutput:
         self.scheduler.finish(seq, FinishReason.ERROR)
         self._errors[seq.request_id] = error
@@ -305,16 +313,21 @@ class LLMEngine:
         return out
 
     def prewarm(self, adapter_id: str, tier: str = "device", pinned: bool | None = None) -> None:
-        """Move an adapter up to `tier` (device | host | disk) in the background; optionally pin it."""
+        """Move an adapter up to `tier` (device | host | disk) in the background; optionally pin it.
+
+        A pin keeps the adapter on every tier it reaches, its device slot included, so at most
+        max_loras - 1 adapters can be pinned: PinLimitError (before any change) beyond that."""
         if tier not in ("device", "host", "disk", "none"):
             raise ValueError(f"tier {tier!r}: expected device, host, disk or none")
+        if pinned:
+            self.slots.check_pin(adapter_id)
         if tier != "none":
             self.adapters.prewarm(adapter_id, tier)
         if tier == "device":
             self._device_prewarm.add(adapter_id)
         if pinned is not None:
             self.adapters.set_pinned(adapter_id, pinned)
-            (self.slots.pinned.add if pinned else self.slots.pinned.discard)(adapter_id)
+            (self.slots.pin if pinned else self.slots.unpin)(adapter_id)
 
     def unload(self, adapter_id: str) -> bool:
         """Forget an adapter on every tier. Refused (ValueError) while requests use or await it."""
@@ -325,6 +338,7 @@ class LLMEngine:
         if slot is not None:
             self.slots.evict(adapter_id)
             self.runner.lora_slots.clear(slot)
+        self.slots.unpin(adapter_id)  # also when it never reached a slot: a stale pin would count against the limit
         self._device_prewarm.discard(adapter_id)
         return self.adapters.unregister(adapter_id)
 
@@ -371,6 +385,10 @@ class LLMEngine:
                 if out.finished:
                     done[out.request_id] = out
         return [done[i] for i in ids]
+
+
+def _on_adapter(seq: Sequence) -> str:
+    return "" if seq.adapter_id is None else f" on adapter {seq.adapter_id!r} (numerically unstable weights)"
 
 
 def _attention_backend(requested: str, device: torch.device) -> str:

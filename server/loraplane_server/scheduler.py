@@ -6,9 +6,10 @@ per-adapter queues by deficit round robin over tokens: every visit adds a quantu
 deficit, and it admits while its head's prompt fits in the deficit, so one hot adapter cannot
 starve the others. Within a queue, arrival order. A queue whose adapter is still loading is
 skipped without blocking anyone. At most `num_slots` distinct adapters run at once; when an
-adapter waits for a slot, the longest-held busy slot is drained (no new admissions) until it
-frees, so no adapter waits forever. When KV blocks run out, the newest running sequence is
-preempted (blocks freed, recomputed later from the front of its queue). No torch here.
+adapter waits for a slot, the longest-held busy slot that is not pinned is drained (no new
+admissions) until it frees, so no adapter waits forever (the slot table never lets pins hold every
+slot). When KV blocks run out, the newest running sequence is preempted (blocks freed, recomputed
+later from the front of its queue). No torch here.
 """
 
 from __future__ import annotations
@@ -185,7 +186,7 @@ class Scheduler:
                 return
             self.draining = None
         if wanting and not self.slots.can_acquire(wanting[0]):
-            busy = [a for a in self.slots.slot_of if a not in self.slots.pinned]
+            busy = [a for a in self.slots.slot_of if not self.slots.is_protected(a)]
             if busy:
                 self.draining = min(busy, key=lambda a: self._slot_since.get(a, 0))
 

@@ -8,6 +8,7 @@ import time
 from loraplane_server.http.errors import ApiError
 from loraplane_server.http.security import check_source
 from loraplane_server.http.state import ServerState
+from loraplane_server.lora.slot_table import PinLimitError
 from loraplane_server.lora.weights import AdapterError
 
 _TIER_RANK = {"device": 0, "host": 1, "disk": 2, "source": 3}
@@ -59,6 +60,8 @@ async def prewarm(state: ServerState, adapter_id: str, tier: str, pinned: bool |
         await state.call(_prewarm)
     except AdapterError as exc:
         raise ApiError(404, str(exc), code="adapter_not_found") from exc
+    except PinLimitError as exc:
+        raise ApiError(409, str(exc), param="pinned", code="pin_limit") from exc
     except ValueError as exc:
         raise ApiError(400, str(exc), code="invalid_adapter") from exc
 

@@ -8,6 +8,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import PlainTextResponse
 
 from loraplane_server.http import adapter_admin
+from loraplane_server.http.errors import ApiError
 from loraplane_server.http.protocol_admin import AdapterCreate, LoadLoraAdapterRequest, UnloadLoraAdapterRequest
 from loraplane_server.http.security import check_adapter_id, require_admin
 from loraplane_server.http.state import get_state
@@ -29,12 +30,17 @@ async def get_adapter(adapter_id: str, request: Request) -> dict:
 
 @router.post("/v1/adapters", dependencies=admin)
 async def create_adapter(body: AdapterCreate, request: Request) -> dict:
-    """Register (with a source) and prewarm an adapter to a tier, optionally pinned; wait=true waits for it."""
+    """Register (with a source) and prewarm an adapter to a tier, optionally pinned; wait=true waits for it.
+    At most max_loras - 1 adapters can be pinned (one device slot always serves the rest): 409 beyond."""
     state = get_state(request)
     adapter_id = check_adapter_id(body.id, "id")
-    if body.source is not None:
-        await adapter_admin.register(state, adapter_id, body.source, "source")
-    await adapter_admin.prewarm(state, adapter_id, body.tier, body.pinned)
+    changed = body.source is not None and await adapter_admin.register(state, adapter_id, body.source, "source")
+    try:
+        await adapter_admin.prewarm(state, adapter_id, body.tier, body.pinned)
+    except ApiError:
+        if changed:  # refused (a pin beyond the limit): leave no half-made adapter behind
+            await adapter_admin.unload(state, adapter_id)
+        raise
     if body.wait:
         return await adapter_admin.wait_for(state, adapter_id, body.tier, body.timeout_s)
     return await adapter_admin.row(state, adapter_id)

@@ -55,16 +55,26 @@ def bearer_token(request: Request) -> str | None:
     return token.strip() if scheme.lower() == "bearer" and token.strip() else None
 
 
-def require_admin(request: Request) -> None:
-    """FastAPI dependency: a valid `Authorization: Bearer <token>` when the server has an admin token."""
+def is_admin(request: Request) -> bool:
+    """Whether the caller may use the admin routes: no admin token is set, or it sent the right one."""
     expected = request.app.state.server.config.admin_token
     if expected is None:
-        return
+        return True
     given = bearer_token(request)
-    if given is None or not hmac.compare_digest(given.encode(), expected.encode()):
-        raise ApiError(
-            401,
-            "this route needs the admin token: Authorization: Bearer <token>",
-            code="unauthorized",
-            headers={"WWW-Authenticate": "Bearer"},
-        )
+    return given is not None and hmac.compare_digest(given.encode(), expected.encode())
+
+
+def can_load_adapters(request: Request) -> bool:
+    """Whether the caller may register a new adapter from a generation route (LoRAX adapter_source, an
+    org/repo adapter_id): an admin, or anyone under --allow-anonymous-adapter-load."""
+    return is_admin(request) or request.app.state.server.config.allow_anonymous_adapter_load
+
+
+def unauthorized(message: str, param: str | None = None) -> ApiError:
+    return ApiError(401, message, param=param, code="unauthorized", headers={"WWW-Authenticate": "Bearer"})
+
+
+def require_admin(request: Request) -> None:
+    """FastAPI dependency: a valid `Authorization: Bearer <token>` when the server has an admin token."""
+    if not is_admin(request):
+        raise unauthorized("this route needs the admin token: Authorization: Bearer <token>")

@@ -45,7 +45,9 @@ class ServerConfig:
     port: int = 8080
     served_model_name: str | None = None  # None: the --model argument (a path's last component)
     max_queue: int = 256  # waiting requests beyond this get 429
-    admin_token: str | None = None  # None: admin routes are open
+    admin_token: str | None = None  # None: admin routes are open, and anyone may register adapters
+    # with an admin token: whether clients without it may still register new adapters from generation routes
+    allow_anonymous_adapter_load: bool = False
     adapter_source_allow: tuple[str, ...] = ()  # empty: ("hf://",); --adapter-dir is always allowed
     max_body_bytes: int = 4 << 20
     shutdown_grace_s: float = 30.0

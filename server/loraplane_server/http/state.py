@@ -44,6 +44,7 @@ class ServerState:
             self.lifecycle.mark_failed(f"{engine.model_dir} has no tokenizer; the HTTP API needs one")
             return
         self.engine = engine
+        engine.adapters.source_allow = self.config.allowlist  # binds every redirect of a remote source too
         self.special_ids = frozenset(engine.tokenizer.all_special_ids)
         self.front = AsyncEngine(engine)
         self.lifecycle.mark_ready()
@@ -81,6 +82,15 @@ class ServerState:
             if "shut down" in str(exc):
                 raise ApiError(503, "the engine is shut down", code="shutting_down") from exc
             raise
+
+    def public_error(self, adapter_id: str | None, error: str) -> str:
+        """A request's engine error as generation routes show it. With an admin token set, their callers
+        need not be admins, and an adapter's load failure may name its source and server paths: they get
+        a pointer to GET /v1/adapters (admin only), which keeps the reason."""
+        failed = f"adapter {adapter_id!r} failed to load"  # the engine's prefix for these errors
+        if self.config.admin_token is None or adapter_id is None or not error.startswith(failed):
+            return error
+        return f"{failed}; an admin can see the reason at GET /v1/adapters/{adapter_id}"
 
     async def snapshot(self) -> EngineSnapshot:
         engine, _ = self.require_engine()

@@ -1,12 +1,18 @@
 """Which adapter sits in which device slot, and who uses it. Plain Python, no torch.
 
-A slot used by running sequences (refs > 0) or pinned is never evicted; the others are evicted
-least recently released first when a new adapter needs a slot.
+A slot used by running sequences (refs > 0) or holding a protected pinned adapter is never evicted;
+the others are evicted least recently released first when a new adapter needs a slot. Pins never
+take every slot: `pin` refuses beyond `num_slots - 1` (so one slot always serves unpinned adapters),
+and should every slot hold a pinned adapter anyway, none of them is protected.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+
+
+class PinLimitError(Exception):
+    """Pinning one more adapter would leave no device slot for the unpinned ones."""
 
 
 class SlotTable:
@@ -25,10 +31,39 @@ class SlotTable:
     def num_busy(self) -> int:
         return sum(1 for r in self.refs if r > 0)
 
+    @property
+    def max_pinned(self) -> int:
+        return self.num_slots - 1
+
+    # pinning
+    def pin(self, adapter_id: str) -> None:
+        """Keep adapter_id's slot once it has one; PinLimitError if that would pin every slot."""
+        self.check_pin(adapter_id)
+        self.pinned.add(adapter_id)
+
+    def check_pin(self, adapter_id: str) -> None:
+        """PinLimitError if pinning adapter_id would leave no slot for unpinned adapters."""
+        if adapter_id not in self.pinned and len(self.pinned) >= self.max_pinned:
+            raise PinLimitError(
+                f"cannot pin adapter {adapter_id!r}: {len(self.pinned)} adapters are pinned "
+                f"({', '.join(sorted(self.pinned)) or 'none'}) and with {self.num_slots} device slots "
+                f"(--max-loras) at most {self.max_pinned} can be, so that one slot always serves unpinned "
+                "adapters; unpin one (pinned: false) or raise --max-loras"
+            )
+
+    def unpin(self, adapter_id: str) -> None:
+        self.pinned.discard(adapter_id)
+
+    def is_protected(self, adapter_id: str | None) -> bool:
+        """Pinned and so kept in its slot, unless pinned adapters fill every slot."""
+        if adapter_id is None or adapter_id not in self.pinned:
+            return False
+        return sum(1 for a in self.adapter_in if a in self.pinned) < self.num_slots
+
+    # slots
     def _victim(self) -> int | None:
         for slot in self.idle:
-            adapter = self.adapter_in[slot]
-            if adapter is None or adapter not in self.pinned:
+            if not self.is_protected(self.adapter_in[slot]):
                 return slot
         return None
 
