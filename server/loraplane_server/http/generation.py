@@ -171,8 +171,9 @@ class Generation:
     # reporting
     def raise_if_failed(self) -> None:
         """A finished non-streaming request that did not finish normally: its error as a status code."""
-        if self.finish_reason == "error":
-            raise ApiError(500, f"generation failed: {self.error}", code="generation_error")
+        if self.finish_reason == "error":  # the engine fails a request only for its adapter or its values
+            error = self.state.public_error(self.adapter_id, self.error or "the request failed")
+            raise ApiError(422, f"generation failed: {error}", code="generation_failed")
         if self.finish_reason in (None, "abort"):
             raise ApiError(
                 503,
