@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from test_http_support import ADMIN_TOKEN, ServerProcess, admin_headers, make_adapter_set
+from test_http_support import ADMIN_TOKEN, ServerProcess, engine_state, make_adapter_set, wait_idle
 
 pytestmark = pytest.mark.slow
 ADAPTERS = [f"a{i:02d}" for i in range(20)]
@@ -38,22 +38,6 @@ def server(adapter_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Serve
         yield proc
     finally:
         assert proc.stop() == 0, proc.log()
-
-
-def engine_state(url: str) -> dict:
-    r = httpx.get(f"{url}/v1/debug/engine", headers=admin_headers(), timeout=30)
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
-def wait_idle(url: str, timeout: float = 30.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        state = engine_state(url)
-        idle = state["num_requests"] == 0 and state["num_streams"] == 0 and state["num_http_inflight"] == 0
-        if idle or time.monotonic() > deadline:
-            return state
-        time.sleep(0.1)
 
 
 async def reference_texts(url: str, combos: list[tuple[str, str]]) -> dict[tuple[str, str], str]:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from test_http_support import ADMIN_TOKEN, ServerProcess, admin_headers, make_adapter_set
+from test_http_support import ADMIN_TOKEN, ServerProcess, engine_state, make_adapter_set, wait_idle
 
 pytestmark = pytest.mark.slow
 GOOD = [f"s{i:02d}" for i in range(18)]
@@ -56,22 +56,6 @@ def server(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Serve
         yield proc
     finally:
         assert proc.stop() == 0, proc.log()
-
-
-def engine_state(url: str) -> dict:
-    r = httpx.get(f"{url}/v1/debug/engine", headers=admin_headers(), timeout=30)
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
-def wait_idle(url: str, timeout: float = 60.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        state = engine_state(url)
-        idle = state["num_requests"] == 0 and state["num_streams"] == 0 and state["num_http_inflight"] == 0
-        if idle or time.monotonic() > deadline:
-            return state
-        time.sleep(0.1)
 
 
 async def lorax(client: httpx.AsyncClient, adapter: str, prompt: str, stream: bool, hang_up: bool) -> tuple[int, str]:
@@ -171,7 +155,7 @@ def test_ten_thousand_requests_with_hostile_adapters_and_hang_ups(server: Server
     assert expected[(NONFINITE, PROMPTS[0])][0] in range(400, 500)  # refused, never served
     assert len({expected[(a, PROMPTS[0])][1] for a in GOOD}) > 6  # the adapters matter
 
-    state = wait_idle(server.url)
+    state = wait_idle(server.url, timeout=60)
     assert state["num_free_blocks"] == idle["num_free_blocks"] == state["num_blocks"], state
     assert state["num_busy_slots"] == 0 and state["num_waiting"] == 0 and state["num_running"] == 0, state
     assert state["num_http_waiting"] == 0 and state["num_http_inflight"] == 0, state

@@ -95,6 +95,24 @@ def admin_headers() -> dict[str, str]:
     return {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 
 
+def engine_state(url: str) -> dict:
+    """The server's admin debug view of its engine: requests, streams, KV blocks, slots, queues."""
+    r = httpx.get(f"{url}/v1/debug/engine", headers=admin_headers(), timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def wait_idle(url: str, timeout: float = 30.0) -> dict:
+    """engine_state once no request, stream or HTTP call is in flight (or at the timeout, as it is then)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        state = engine_state(url)
+        idle = state["num_requests"] == 0 and state["num_streams"] == 0 and state["num_http_inflight"] == 0
+        if idle or time.monotonic() > deadline:
+            return state
+        time.sleep(0.1)
+
+
 def make_adapter_set(base_dir: Path, root: Path, names: list[str]) -> Path:
     """Real PEFT adapters in root/<name>: one made by PEFT itself, the others the same modules with
     lora_B re-drawn from another seed (same config, so each is a valid, distinct PEFT adapter).
