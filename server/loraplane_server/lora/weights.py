@@ -239,8 +239,6 @@ def _check_pair(
         )
     if rank > max_rank:
         raise AdapterError(f"{where}: rank {rank} exceeds --max-lora-rank {max_rank}")
-    if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
-        raise AdapterError(f"{where}: weights contain NaN or infinity")
     block = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
     path = f"model.layers.{layer}.{block}.{module}"
     expected = _pattern_value(cfg.get("rank_pattern") or {}, path, cfg.get("r", rank))
