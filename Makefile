@@ -29,10 +29,12 @@ lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check server operator tests bench e2e
 
-# The e2e tests build the control plane once (cached outside the repo, ~25 min on 2 cores).
+# The e2e tests build the control plane once (cached outside the repo, ~25 min on 2 cores), and the
+# model-source tests a MinIO server (e2e/build_minio.sh, a few minutes, cached beside it).
 # On a CPU with AVX-512 BF16 the fast tests run a second time as an AVX2-only CPU would run them
 # (test-avx2), so a change made on such a machine cannot break the AVX2 ones unseen.
 test: model lint
+	e2e/build_minio.sh
 	LORAPLANE_E2E_BUILD=1 $(BIN)/pytest -q tests e2e $(PYTEST_ARGS)
 	@if grep -qw avx512_bf16 /proc/cpuinfo; then $(MAKE) --no-print-directory test-avx2; fi
 
@@ -41,7 +43,7 @@ test: model lint
 # The engine's, kernels' and adapters' tests; the HTTP, source, operator and chart tests run the same code
 # on every CPU (their servers in fp32), so the first pass covers them.
 AVX2_SKIP := --ignore-glob='tests/test_http_*.py' --ignore-glob='tests/test_operator_*.py' \
-	--ignore-glob='tests/test_sources*.py' --ignore=tests/test_helm_chart.py --ignore=tests/test_crds.py \
+	--ignore-glob='tests/test_sources*.py' --ignore-glob='tests/test_model_s*.py' --ignore=tests/test_helm_chart.py --ignore=tests/test_crds.py \
 	--ignore=tests/test_dockerfiles.py
 test-avx2: model
 	LORAPLANE_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 $(BIN)/pytest -q tests $(AVX2_SKIP) $(PYTEST_ARGS)
