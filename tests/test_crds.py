@@ -1,5 +1,7 @@
 """The CRDs in crds/: structural schemas, valid defaults, samples that validate, printer columns and scale
-paths that exist, and CEL rules that accept the samples and reject what they should (cel-python)."""
+paths that exist, and CEL rules that accept the samples and reject what they should (cel-python): model
+sources, the model cache and credentials get one clear message per mistake (the same messages a real
+kube-apiserver gives)."""
 
 from __future__ import annotations
 
@@ -128,7 +130,7 @@ def test_defaults_are_valid_under_their_schemas(kind):
 
 def test_samples_cover_both_kinds():
     kinds = sorted(yaml.safe_load(p.read_text())["kind"] for p in SAMPLES)
-    assert kinds == ["BaseModelServer", "LoRAAdapter", "LoRAAdapter", "LoRAAdapter"]
+    assert kinds == ["BaseModelServer", "BaseModelServer", "LoRAAdapter", "LoRAAdapter", "LoRAAdapter"]
     names = {d["metadata"]["name"] for d in samples_of("LoRAAdapter")}
     assert names == {"french", "pirate", "json"}
     for d in samples_of("LoRAAdapter"):
@@ -207,10 +209,19 @@ def test_printer_columns_point_into_the_schema(kind):
             assert node["type"] == col["type"], col
     names = [c["name"] for c in columns if c.get("priority", 0) == 0]
     expected = {
-        "BaseModelServer": ["Model", "Replicas", "Ready", "Phase", "Age"],
+        "BaseModelServer": ["Model", "Model-Status", "Replicas", "Ready", "Phase", "Age"],
         "LoRAAdapter": ["Server", "Phase", "Ready", "Tier", "Age"],
     }
     assert names == expected[kind]
+
+
+def test_model_columns():
+    """kubectl get bms: MODEL and MODEL-STATUS; -o wide adds DOWNLOADED (kubectl upper-cases the names)."""
+    (version,) = load("BaseModelServer")["spec"]["versions"]
+    paths = {col["name"]: (col["jsonPath"], col.get("priority", 0)) for col in version["additionalPrinterColumns"]}
+    assert paths["Model"] == (".spec.model", 0)
+    assert paths["Model-Status"] == (".status.model.phase", 0)
+    assert paths["Downloaded"] == (".status.model.progress", 1)
 
 
 def test_scale_subresource_paths_exist():
@@ -340,3 +351,196 @@ def test_cel_autoscaling_bounds():
 @pytest.mark.parametrize("name", ["Upper", "9lives", "a" * 64, "dot.ted"])
 def test_cel_server_names_are_service_names(name):
     assert violations("BaseModelServer", bms(name))
+
+
+# model sources, the model cache and credentials
+def rule_paths(kind: str) -> set[str]:
+    return {path for path, _, _ in rules(kind)}
+
+
+def one_violation(spec: dict) -> str:
+    """The single message a wrong spec gets (one clear message per mistake, not a cascade)."""
+    found = violations("BaseModelServer", bms(**spec))
+    assert len(found) == 1, found
+    return found[0]
+
+
+@pytest.mark.parametrize(
+    "model",
+    [
+        "smollm2-135m",
+        "/models/llama-3.1-8b",
+        "/models/smollm2.Q8_0.gguf",
+        "hf://Qwen/Qwen3-8B",
+        "hf://meta-llama/Llama-3.1-8B-Instruct@main",
+        "hf://org/repo@v1.0/checkpoints/final",
+        "s3://models/smollm2",
+        "s3://my.models-bucket",
+    ],
+)
+def test_cel_accepts_model_sources(model):
+    assert ".spec.model" in rule_paths("BaseModelServer")  # accepted by the model rules, not for want of one
+    assert violations("BaseModelServer", bms(model=model)) == []
+    validate("BaseModelServer", bms(model=model))
+
+
+@pytest.mark.parametrize(
+    ("model", "expected"),
+    [
+        ("models/llama", "model must be a built-in name (smollm2-135m), an absolute path"),
+        ("Qwen/Qwen3-8B", "model must be a built-in name"),  # a hub id needs hf://
+        ("smollm2.gguf", "model must be a built-in name"),  # a GGUF file needs its absolute path
+        ("gs://bucket/model", "model must be a built-in name"),
+        ("hf://Qwen", "an hf:// model looks like hf://org/repo"),
+        ("hf://org/repo@", "an hf:// model looks like hf://org/repo"),
+        ("s3://AB/model", "an s3:// model looks like s3://bucket/prefix"),
+        ("s3://key:secret@models/x", "keys belong in credentials.s3"),
+        ("/models/../etc", "must not hold '.' or '..' path segments"),
+        ("s3://models/a/../b", "must not hold '.' or '..' path segments"),
+    ],
+)
+def test_cel_rejects_wrong_model_sources(model, expected):
+    assert expected in one_violation({"model": model})
+
+
+@pytest.mark.parametrize(
+    "cache",
+    [
+        {},
+        {"volume": "EmptyDir", "size": "40Gi"},
+        {"volume": "PersistentVolumeClaim"},
+        {
+            "volume": "PersistentVolumeClaim",
+            "size": "40Gi",
+            "storageClassName": "fast",
+            "accessModes": ["ReadWriteOnce"],
+        },
+        {"volume": "PersistentVolumeClaim", "claimName": "shared-models"},
+        {"volume": "HostPath", "hostPath": "/var/lib/models", "mountPath": "/models-cache"},
+    ],
+)
+def test_model_cache_accepted(cache):
+    spec = {"model": "s3://models/smollm2", "modelCache": cache}
+    assert ".spec.modelCache" in rule_paths("BaseModelServer")
+    assert violations("BaseModelServer", bms(**spec)) == []
+    defaulted = apply_defaults(schema_of("BaseModelServer"), bms(**spec))
+    validate("BaseModelServer", defaulted)
+    assert defaulted["spec"]["modelCache"]["mountPath"] == cache.get("mountPath", "/var/cache/loraplane-models")
+
+
+@pytest.mark.parametrize(
+    ("cache", "expected"),
+    [
+        ({"volume": "HostPath"}, "volume HostPath needs modelCache.hostPath"),
+        ({"hostPath": "/var/lib/models"}, "hostPath is used only with volume: HostPath"),
+        ({"claimName": "shared"}, "claimName names an existing claim: it needs volume: PersistentVolumeClaim"),
+        (
+            {"volume": "PersistentVolumeClaim", "claimName": "c", "storageClassName": "fast"},
+            "storageClassName applies only",
+        ),
+        ({"volume": "EmptyDir", "accessModes": ["ReadWriteMany"]}, "accessModes applies only"),
+        ({"volume": "HostPath", "hostPath": "/d", "size": "10Gi"}, "size is the emptyDir size limit"),
+        ({"volume": "PersistentVolumeClaim", "claimName": "c", "size": "10Gi"}, "size is the emptyDir size limit"),
+        ({"volume": "HostPath", "hostPath": "relative"}, "hostPath must be an absolute path"),
+        ({"mountPath": "cache"}, "mountPath must be an absolute path"),
+        ({"mountPath": "/var/../etc"}, "mountPath must be an absolute path without '.' or '..'"),
+    ],
+)
+def test_model_cache_mistakes_get_one_clear_message(cache, expected):
+    assert expected in one_violation({"modelCache": cache})
+
+
+@pytest.mark.parametrize(
+    "cache",
+    [
+        {"volume": "NFS"},
+        {"size": "lots"},
+        {"volume": "PersistentVolumeClaim", "accessModes": ["ReadWriteSometimes"]},
+        {"volume": "PersistentVolumeClaim", "accessModes": []},
+        {"volume": "PersistentVolumeClaim", "claimName": "Not_A_Claim"},
+    ],
+)
+def test_model_cache_schema_rejects(cache):
+    with pytest.raises(jsonschema.ValidationError):
+        validate("BaseModelServer", bms(modelCache=cache))
+
+
+def test_model_cache_and_credentials_defaults():
+    spec = {"modelCache": {}, "credentials": {"huggingFace": {"secretName": "hf"}, "s3": {"secretName": "s3"}}}
+    got = apply_defaults(schema_of("BaseModelServer"), {"spec": spec})["spec"]
+    assert got["modelCache"] == {"volume": "EmptyDir", "mountPath": "/var/cache/loraplane-models"}
+    assert got["credentials"]["huggingFace"] == {"secretName": "hf", "key": "HF_TOKEN"}
+    assert got["credentials"]["s3"] == {
+        "secretName": "s3",
+        "accessKeyIdKey": "AWS_ACCESS_KEY_ID",
+        "secretAccessKeyKey": "AWS_SECRET_ACCESS_KEY",
+    }
+    assert "modelCache" not in apply_defaults(schema_of("BaseModelServer"), {"spec": {}})["spec"]
+
+
+@pytest.mark.parametrize(
+    "creds",
+    [
+        {"huggingFace": {"secretName": "hf-token"}},
+        {"huggingFace": {"endpoint": "https://hf-mirror.example.com"}},
+        {"s3": {"secretName": "s3-models", "endpoint": "http://minio.storage.svc:9000", "region": "us-east-1"}},
+        {"s3": {"region": "eu-west-1"}},  # keys from the pod's web identity (serviceAccountName)
+    ],
+)
+def test_credentials_accepted(creds):
+    assert {".spec.credentials.huggingFace", ".spec.credentials.s3"} <= rule_paths("BaseModelServer")
+    assert violations("BaseModelServer", bms(credentials=creds)) == []
+    validate("BaseModelServer", bms(credentials=creds))
+
+
+@pytest.mark.parametrize(
+    ("creds", "expected"),
+    [
+        ({"huggingFace": {}}, "credentials.huggingFace needs secretName"),
+        ({"s3": {}}, "credentials.s3 needs secretName"),
+        ({"s3": {"secretName": "s", "endpoint": "minio:9000"}}, "endpoint must be an http(s):// URL"),
+        ({"s3": {"secretName": "s", "endpoint": "http://key:secret@minio:9000"}}, "the keys belong in the Secret"),
+        ({"huggingFace": {"endpoint": "https://user:tok@hub.example.com"}}, "the token belongs in the Secret"),
+    ],
+)
+def test_credentials_mistakes_get_one_clear_message(creds, expected):
+    assert expected in one_violation({"credentials": creds})
+
+
+def test_credentials_take_no_values():
+    """Only Secret names and key names: a token or a key pasted into the spec is refused by the schema."""
+    creds = schema_of("BaseModelServer")["properties"]["spec"]["properties"]["credentials"]
+    fields = {k for side in creds["properties"].values() for k in side["properties"]}
+    assert fields == {"secretName", "key", "endpoint", "accessKeyIdKey", "secretAccessKeyKey", "region"}
+    assert "additionalProperties" not in creds  # structural schemas prune unknown fields such as `token`
+
+
+def test_model_status_schema():
+    status = {
+        "model": {
+            "source": "s3://models/smollm2",
+            "phase": "Downloading",
+            "bytesDone": 327576781,
+            "bytesTotal": 536870912,
+            "progress": "312.4 MiB/512.0 MiB (61%)",
+            "message": "smollm2-abc: downloading, 312.4 MiB/512.0 MiB (61%)",
+            "lastTransitionTime": "2026-01-01T00:00:00Z",
+        }
+    }
+    validate("BaseModelServer", {**bms(), "status": status})
+    for phase in ("Pending", "Loading", "Ready", "Failed"):
+        validate("BaseModelServer", {**bms(), "status": {"model": {**status["model"], "phase": phase}}})
+    with pytest.raises(jsonschema.ValidationError):
+        validate("BaseModelServer", {**bms(), "status": {"model": {"phase": "Downloaded"}}})
+
+
+def test_model_docs_name_every_source_form():
+    text = schema_of("BaseModelServer")["properties"]["spec"]["properties"]["model"]["description"]
+    for form in (
+        "smollm2-135m",
+        "absolute path",
+        ".gguf",
+        "hf://org/repo[@revision][/subfolder]",
+        "s3://bucket/prefix",
+    ):
+        assert form in text

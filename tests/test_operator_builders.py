@@ -1,10 +1,12 @@
-"""The operator's pure manifest builders: Deployment, Service, HPA, ScaledObject, config hash, RBAC data."""
+"""The operator's pure manifest builders: Deployment (with the model cache volume and the credentials' env),
+the cache's claim, Service, HPA, ScaledObject, config hash, RBAC data."""
 
 from __future__ import annotations
 
 import copy
 from pathlib import Path
 
+import pytest
 import yaml
 
 from loraplane_operator import builders, rbac
@@ -47,6 +49,8 @@ def test_deployment_defaults():
     assert ctr["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
     assert ctr["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
     assert ctr["resources"] == {"limits": {"nvidia.com/gpu": 1}}
+    assert ctr["terminationMessagePolicy"] == "FallbackToLogsOnError"  # the failure line reaches the status
+    assert "volumeMounts" not in ctr and "volumes" not in dep["spec"]["template"]["spec"]  # no modelCache
 
 
 def test_deployment_from_the_sample():
@@ -203,6 +207,7 @@ def test_rbac_rules_yaml_matches_the_constant():
     assert role["kind"] == "ClusterRole" and role["rules"] == rbac.RULES
     granted = {(g, r) for rule in rbac.RULES for g in rule["apiGroups"] for r in rule["resources"]}
     for need in [
+        ("", "persistentvolumeclaims"),
         ("loraplane.dev", "loraadapters/status"),
         ("loraplane.dev", "basemodelservers/finalizers"),
         ("apps", "deployments"),
@@ -215,3 +220,138 @@ def test_rbac_rules_yaml_matches_the_constant():
         assert need in granted
     secrets = next(r for r in rbac.RULES if r["resources"] == ["secrets"])
     assert secrets["verbs"] == ["get"]
+    claims = next(r for r in rbac.RULES if r["resources"] == ["persistentvolumeclaims"])
+    assert claims["verbs"] == ["get", "create", "patch"]  # the model cache is never deleted by the operator
+
+
+# model source, model cache, credentials
+def pod_spec(dep: dict) -> dict:
+    return dep["spec"]["template"]["spec"]
+
+
+@pytest.mark.parametrize(
+    ("cache", "volume"),
+    [
+        ({}, {"emptyDir": {}}),
+        ({"volume": "EmptyDir", "size": "40Gi"}, {"emptyDir": {"sizeLimit": "40Gi"}}),
+        ({"volume": "PersistentVolumeClaim"}, {"persistentVolumeClaim": {"claimName": "smollm2-model-cache"}}),
+        (
+            {"volume": "PersistentVolumeClaim", "claimName": "shared-models"},
+            {"persistentVolumeClaim": {"claimName": "shared-models"}},
+        ),
+        (
+            {"volume": "HostPath", "hostPath": "/var/lib/models"},
+            {"hostPath": {"path": "/var/lib/models", "type": "DirectoryOrCreate"}},
+        ),
+    ],
+)
+def test_model_cache_volume_kinds(cache, volume):
+    dep = builders.get_deployment(bms(model="s3://models/smollm2", modelCache=cache))
+    assert pod_spec(dep)["volumes"] == [{"name": "model-cache", **volume}]
+    ctr = container(dep)
+    assert ctr["volumeMounts"] == [{"name": "model-cache", "mountPath": "/var/cache/loraplane-models"}]
+    assert ctr["args"][:4] == ["--model", "s3://models/smollm2", "--model-cache", "/var/cache/loraplane-models"]
+
+
+def test_model_cache_mount_path_is_the_server_flag():
+    cache = {"volume": "HostPath", "hostPath": "/data", "mountPath": "/models-cache"}
+    ctr = container(builders.get_deployment(bms(modelCache=cache)))
+    assert ctr["volumeMounts"][0]["mountPath"] == "/models-cache"
+    assert ctr["args"][ctr["args"].index("--model-cache") + 1] == "/models-cache"
+
+
+def test_created_claim():
+    cache = {
+        "volume": "PersistentVolumeClaim",
+        "size": "40Gi",
+        "storageClassName": "fast",
+        "accessModes": ["ReadWriteOnce"],
+    }
+    claim = builders.get_model_cache_claim(bms(modelCache=cache))
+    assert (claim["apiVersion"], claim["kind"]) == ("v1", "PersistentVolumeClaim")
+    assert claim["metadata"]["name"] == "smollm2-model-cache" and claim["metadata"]["namespace"] == "ml"
+    assert claim["metadata"]["labels"][c.SERVER_LABEL] == "smollm2" and "ownerReferences" not in claim["metadata"]
+    assert claim["spec"] == {
+        "accessModes": ["ReadWriteOnce"],
+        "resources": {"requests": {"storage": "40Gi"}},
+        "storageClassName": "fast",
+    }
+    default = builders.get_model_cache_claim(bms(modelCache={"volume": "PersistentVolumeClaim"}))
+    assert default["spec"] == {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "20Gi"}}}
+    dep = builders.get_deployment(bms(modelCache={"volume": "PersistentVolumeClaim"}))
+    assert pod_spec(dep)["volumes"][0]["persistentVolumeClaim"]["claimName"] == default["metadata"]["name"]
+
+
+@pytest.mark.parametrize(
+    "cache",
+    [None, {}, {"volume": "HostPath", "hostPath": "/d"}, {"volume": "PersistentVolumeClaim", "claimName": "mine"}],
+)
+def test_no_claim_unless_the_operator_creates_it(cache):
+    spec = {} if cache is None else {"modelCache": cache}
+    assert builders.get_model_cache_claim(bms(**spec)) is None
+
+
+CREDENTIALS = {
+    "huggingFace": {"secretName": "hf-token", "key": "token", "endpoint": "https://hf-mirror.example.com"},
+    "s3": {
+        "secretName": "s3-models",
+        "accessKeyIdKey": "id",
+        "secretAccessKeyKey": "secret",
+        "endpoint": "http://minio.storage.svc:9000",
+        "region": "us-east-1",
+    },
+}
+
+
+def test_credentials_env_from_secrets():
+    ctr = container(builders.get_deployment(bms(model="hf://org/repo", credentials=CREDENTIALS)))
+    env = {e["name"]: e for e in ctr["env"]}
+    assert env["HF_TOKEN"] == {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf-token", "key": "token"}}}
+    assert env["AWS_ACCESS_KEY_ID"]["valueFrom"] == {"secretKeyRef": {"name": "s3-models", "key": "id"}}
+    assert env["AWS_SECRET_ACCESS_KEY"]["valueFrom"] == {"secretKeyRef": {"name": "s3-models", "key": "secret"}}
+    assert env["HF_ENDPOINT"] == {"name": "HF_ENDPOINT", "value": "https://hf-mirror.example.com"}
+    assert env["AWS_ENDPOINT_URL"] == {"name": "AWS_ENDPOINT_URL", "value": "http://minio.storage.svc:9000"}
+    assert env["AWS_REGION"] == {"name": "AWS_REGION", "value": "us-east-1"}
+    for name in ("HF_TOKEN", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        assert "value" not in env[name]  # the kubelet reads the Secret; no value in any manifest
+
+
+def test_credentials_default_keys_and_optional_parts():
+    creds = {"huggingFace": {"secretName": "hf"}, "s3": {"region": "eu-west-1"}}
+    env = container(builders.get_deployment(bms(credentials=creds)))["env"]
+    names = [e["name"] for e in env]
+    assert {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "HF_TOKEN"}}} in env
+    assert "AWS_REGION" in names and "AWS_ACCESS_KEY_ID" not in names  # keys from the pod's identity instead
+    assert "HF_ENDPOINT" not in names and "AWS_ENDPOINT_URL" not in names
+    s3_only = {"s3": {"secretName": "s3"}}
+    env = container(builders.get_deployment(bms(credentials=s3_only)))["env"]
+    refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in env if "secretKeyRef" in e.get("valueFrom", {})}
+    assert refs == {
+        "AWS_ACCESS_KEY_ID": {"name": "s3", "key": "AWS_ACCESS_KEY_ID"},
+        "AWS_SECRET_ACCESS_KEY": {"name": "s3", "key": "AWS_SECRET_ACCESS_KEY"},
+    }
+
+
+def test_user_env_comes_last_and_can_override():
+    spec = {"credentials": CREDENTIALS, "env": [{"name": "AWS_REGION", "value": "eu-central-1"}]}
+    env = container(builders.get_deployment(bms(**spec)))["env"]
+    assert env[0]["name"] == "POD_IP" and env[-1] == {"name": "AWS_REGION", "value": "eu-central-1"}
+
+
+def test_config_hash_rolls_pods_on_model_and_cache_changes():
+    base = {**sample()["spec"], "model": "s3://models/a", "modelCache": {"volume": "PersistentVolumeClaim"}}
+    base["credentials"] = copy.deepcopy(CREDENTIALS)
+    h = builders.config_hash(base)
+    assert builders.config_hash({**base, "model": "s3://models/b"}) != h
+    assert builders.config_hash({**base, "modelCache": {"volume": "EmptyDir"}}) != h
+    assert builders.config_hash({**base, "modelCache": {"volume": "PersistentVolumeClaim", "size": "9Gi"}}) != h
+    renamed = copy.deepcopy(base)
+    renamed["credentials"]["s3"]["secretName"] = "other"
+    assert builders.config_hash(renamed) != h
+    # a Secret's contents are not in the spec and never read by the builders: rotating a key keeps the pods
+    dep = builders.get_deployment({"metadata": {"name": "smollm2", "namespace": "ml"}, "spec": base})
+    assert dep["spec"]["template"]["metadata"]["annotations"][c.CONFIG_HASH_ANNOTATION] == h
+    assert builders.get_deployment({"metadata": {"name": "smollm2", "namespace": "ml"}, "spec": base}) == dep
+    hostpath = {**base, "modelCache": {"volume": "HostPath", "hostPath": "/d"}}
+    other = builders.get_deployment({"metadata": {"name": "smollm2", "namespace": "ml"}, "spec": hostpath})
+    assert pod_spec(other)["volumes"] != pod_spec(dep)["volumes"]  # the template itself changes, not only the hash

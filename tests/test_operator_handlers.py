@@ -7,14 +7,14 @@ import asyncio
 
 import kopf
 import pytest
-from test_operator_status import SPEC, FakePod, pod_body
+from test_operator_status import CRASHING, DOWNLOADING, NOPE, SPEC, FakePod, FakeReady, model_pod, pod_body
 
 from loraplane_operator import adapter_status as st
 from loraplane_operator import constants as c
 from loraplane_operator import handlers, kube
 from loraplane_operator.admin_client import make_http_client
 from loraplane_operator.context import OperatorContext
-from loraplane_operator.server_status import ServerRef, pod_info
+from loraplane_operator.server_status import PodInfo, ServerRef, pod_info
 
 KEY = ("ml", "smollm2")
 
@@ -179,3 +179,89 @@ def test_delete_without_server_is_a_no_op(events):
         )
 
     with_ctx(run)
+
+
+# BaseModelServer: the model cache claim and the model's status
+def server_body(**spec) -> dict:
+    meta = {"name": "smollm2", "namespace": "ml", "uid": "uid-bms", "generation": 1}
+    return {"apiVersion": "loraplane.dev/v1alpha1", "kind": "BaseModelServer", "metadata": meta, "spec": spec}
+
+
+@pytest.fixture
+def api_calls(monkeypatch):
+    """Recorded stand-ins for the Kubernetes API: applies, and gets answered from `existing`."""
+    calls = {"applied": [], "existing": {}}
+
+    async def apply(api, obj):
+        calls["applied"].append(obj)
+        return obj
+
+    async def get(api, api_version, kind, namespace, name):
+        return calls["existing"].get((kind, name))
+
+    async def delete_if_exists(api, api_version, kind, namespace, name):
+        return False
+
+    monkeypatch.setattr(kube, "apply", apply)
+    monkeypatch.setattr(kube, "get", get)
+    monkeypatch.setattr(kube, "delete_if_exists", delete_if_exists)
+    return calls
+
+
+def test_apply_server_creates_the_cache_claim_once_and_owned(api_calls, events):
+    body = server_body(model="s3://models/smollm2", modelCache={"volume": "PersistentVolumeClaim", "size": "40Gi"})
+
+    async def run(memo):
+        kwargs = {"name": "smollm2", "namespace": "ml", "spec": body["spec"], "meta": body["metadata"], "memo": memo}
+        await handlers.apply_server(body=body, patch=kopf.Patch(), **kwargs)
+        first = [o["kind"] for o in api_calls["applied"]]
+        claim = api_calls["applied"][0]
+        api_calls["existing"][("PersistentVolumeClaim", "smollm2-model-cache")] = claim
+        api_calls["applied"].clear()
+        await handlers.apply_server(body=body, patch=kopf.Patch(), **kwargs)
+        return first, claim, [o["kind"] for o in api_calls["applied"]]
+
+    first, claim, second = with_ctx(run)
+    assert first == ["PersistentVolumeClaim", "Deployment", "Service"]  # the claim before the pods need it
+    (owner,) = claim["metadata"]["ownerReferences"]
+    assert (owner["kind"], owner["uid"], owner["controller"]) == ("BaseModelServer", "uid-bms", True)
+    assert claim["spec"]["resources"]["requests"]["storage"] == "40Gi"
+    assert second == ["Deployment", "Service"]  # an existing claim is left as it is (its spec is immutable)
+    assert events[0][:2] == ("info", "Applied") and "PersistentVolumeClaim/smollm2" in events[0][2]
+
+
+def test_status_timer_reports_the_model_with_events_on_changes_only(api_calls, events):
+    fake = FakeReady(DOWNLOADING)
+    body = server_body(model="s3://models/x", port=fake.port)
+    api_calls["existing"][("Deployment", "smollm2")] = {"spec": {"replicas": 1}, "status": {"replicas": 1}}
+    starting = PodInfo("smollm2-a", "ml", "smollm2", "uid-a", "127.0.0.1", False, 0)
+
+    async def tick(memo, status: dict, pods: list) -> dict:
+        patch = kopf.Patch()
+        await handlers.server_status_timer(
+            body=body,
+            name="smollm2",
+            namespace="ml",
+            spec=body["spec"],
+            status=status,
+            memo=memo,
+            patch=patch,
+            server_pods={KEY: pods},
+        )
+        return {k: v for k, v in {**status, **dict(patch).get("status", {})}.items() if v is not None}
+
+    async def run(memo):
+        first = await tick(memo, {}, [starting])
+        again = await tick(memo, first, [starting])
+        failed = await tick(memo, again, [model_pod("smollm2-a", containers=CRASHING)])
+        return first, again, failed
+
+    try:
+        first, again, failed = with_ctx(run)
+    finally:
+        fake.close()
+    assert first["model"]["phase"] == "Downloading" and first["model"]["progress"] == "312.4 MiB/512.0 MiB (61%)"
+    assert first["phase"] == "Pending" and again["model"] == first["model"]
+    assert failed["model"]["phase"] == "Failed" and failed["model"]["reason"] == NOPE and failed["phase"] == "Failed"
+    assert [e[:2] for e in events] == [("info", "ModelDownloading"), ("warn", "ModelFailed")]  # one per change
+    assert events[1][2] == f"s3://models/x: smollm2-a: the server failed to start: {NOPE}"

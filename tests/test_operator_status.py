@@ -1,5 +1,6 @@
 """Status logic of the operator: per-pod plans, phase and residency aggregation from mixed admin API rows,
-retries and backoff, the BaseModelServer status, and one full adapter round against real HTTP pods."""
+retries and backoff, the BaseModelServer status with its model's phase (start-up failures, /ready reports read
+over real HTTP), and one full adapter round against real HTTP pods."""
 
 from __future__ import annotations
 
@@ -11,11 +12,27 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from loraplane_operator import adapter_status as st
+from loraplane_operator import builders, reconcile
 from loraplane_operator import constants as c
-from loraplane_operator import reconcile
 from loraplane_operator.admin_client import make_http_client
 from loraplane_operator.context import OperatorContext, ResidencyCache
-from loraplane_operator.server_status import PodInfo, ServerRef, pod_info, server_phase, server_ref, server_status
+from loraplane_operator.server_status import (
+    ModelReport,
+    PodInfo,
+    ServerRef,
+    current_pods,
+    failure_line,
+    last_start_failure,
+    model_phase,
+    model_report,
+    model_status,
+    pod_info,
+    progress_text,
+    server_phase,
+    server_ref,
+    server_status,
+    start_failure,
+)
 
 NOW = "2025-01-01T00:00:10Z"
 WANT = st.AdapterWant("french", "/opt/a/french", "host")
@@ -437,3 +454,312 @@ def test_unload_everywhere_tolerates_gone_pods(fake_pods):
 
     assert asyncio.run(go()) == ([], [])
     assert pod.adapters == {}
+
+
+# the model's phase (status.model)
+TRACEBACK_THEN_LINE = (
+    "INFO loading s3://models/nope\n"
+    "Traceback (most recent call last):\n"
+    '  File "/app/loraplane_server/model_store.py", line 88, in resolve\n'
+    "    raise ModelSourceError(...)\n"
+    "loraplane_server.sources.ModelSourceError: no objects\n"
+    "loraplane: failed to start: s3://models/nope: no objects under this prefix (expected config.json and "
+    "*.safetensors)\n"
+)
+NOPE = "s3://models/nope: no objects under this prefix (expected config.json and *.safetensors)"
+
+
+def terminated(message: str | None = None, reason: str = "Error", exit_code: int = 1) -> dict:
+    t = {"exitCode": exit_code, "reason": reason}
+    return {**t, "message": message} if message is not None else t
+
+
+def server_container(state: dict, last: dict | None = None, restarts: int = 0) -> dict:
+    status = {"name": "server", "restartCount": restarts, "state": state, "ready": False}
+    return {**status, "lastState": last} if last is not None else status
+
+
+def test_failure_line_after_a_traceback():
+    assert failure_line(TRACEBACK_THEN_LINE) == NOPE
+    assert failure_line("Traceback ...\nKeyError: 'x'\n") is None
+    assert failure_line(None) is None
+    twice = "loraplane: failed to start: first\nloraplane: failed to start: second  \n"
+    assert failure_line(twice) == "second"  # the last one is the process's own end
+    leaky = "loraplane: failed to start: https://user:s3cr3t@hub.example.com/api/models/x: 401\n"
+    assert failure_line(leaky) == "https://***@hub.example.com/api/models/x: 401"  # defence in depth
+
+
+@pytest.mark.parametrize(
+    ("container", "expected"),
+    [
+        (server_container({"terminated": terminated(TRACEBACK_THEN_LINE)}), NOPE),
+        (
+            server_container(
+                {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 40s restarting failed container"}},
+                last={"terminated": terminated(TRACEBACK_THEN_LINE)},
+                restarts=3,
+            ),
+            NOPE,
+        ),
+        (server_container({"terminated": terminated("Segmentation fault")}), None),  # not the server's line
+        (server_container({"running": {}}, last={"terminated": terminated(TRACEBACK_THEN_LINE)}, restarts=1), None),
+        (server_container({"waiting": {"reason": "ContainerCreating"}}), None),
+        (
+            server_container({"terminated": terminated(None, "OOMKilled", 137)}),
+            "the server ran out of memory while starting (OOMKilled): raise resources.limits.memory",
+        ),
+    ],
+)
+def test_start_failure(container, expected):
+    assert start_failure(container) == expected
+
+
+def test_missing_secret_is_a_start_failure():
+    waiting = {"reason": "CreateContainerConfigError", "message": 'secret "hf-token" not found'}
+    failure = start_failure(server_container({"waiting": waiting}))
+    assert failure is not None and 'secret "hf-token" not found' in failure and "spec.credentials" in failure
+
+
+def test_last_failure_only_while_running_again():
+    last = {"terminated": terminated(TRACEBACK_THEN_LINE)}
+    assert last_start_failure(server_container({"running": {}}, last=last, restarts=1)) == NOPE
+    crash = server_container({"waiting": {"reason": "CrashLoopBackOff"}}, last=last, restarts=1)
+    assert last_start_failure(crash) is None  # start_failure reports that one
+
+
+def model_pod(
+    name: str,
+    *,
+    ready: bool = False,
+    containers: list | None = None,
+    conditions: list | None = None,
+    config_hash: str | None = None,
+) -> PodInfo:
+    body = pod_body(name, ready=ready)
+    body["status"]["containerStatuses"] = containers or [server_container({"running": {}})]
+    body["status"]["conditions"] += conditions or []
+    if config_hash is not None:
+        body["metadata"]["annotations"] = {c.CONFIG_HASH_ANNOTATION: config_hash}
+    info = pod_info(body)
+    assert info is not None
+    return info
+
+
+CRASHING = [
+    server_container(
+        {"waiting": {"reason": "CrashLoopBackOff"}}, last={"terminated": terminated(TRACEBACK_THEN_LINE)}, restarts=2
+    )
+]
+
+
+def test_pod_info_carries_the_start_up_state():
+    info = model_pod("smollm2-a", containers=CRASHING, config_hash="abc")
+    assert (info.failure, info.last_failure, info.config_hash) == (NOPE, None, "abc")
+    unscheduled = {"type": "PodScheduled", "status": "False", "reason": "Unschedulable"}
+    unscheduled["message"] = 'persistentvolumeclaim "smollm2-model-cache" not found'
+    info = model_pod("smollm2-b", conditions=[unscheduled])
+    assert info.note == 'Unschedulable: persistentvolumeclaim "smollm2-model-cache" not found'
+    pulling = [server_container({"waiting": {"reason": "ImagePullBackOff", "message": "no such image"}})]
+    assert model_pod("smollm2-c", containers=pulling).note == "ImagePullBackOff: no such image"
+
+
+def test_model_report_from_ready_bodies():
+    loading = {
+        "status": "loading",
+        "step": "resolving the model",
+        "model": {"source": "s3://m/x", "phase": "downloading", "bytes_done": 10, "bytes_total": 40},
+    }
+    assert model_report("p", loading) == ModelReport("p", "downloading", 10, 40)
+    unknown_total = {"status": "loading", "model": {"phase": "downloading", "bytes_done": 5, "bytes_total": None}}
+    assert model_report("p", unknown_total) == ModelReport("p", "downloading", 5, None)
+    assert model_report("p", {"status": "failed", "error": NOPE}) == ModelReport("p", "failed", error=NOPE)
+    assert model_report("p", {"status": "loading", "step": "building the engine"}) is None  # nothing about it
+    assert model_report("p", {"status": "loading", "model": {"phase": "exploding"}}) is None
+    assert model_report("p", {"model": {"phase": "downloading", "bytes_done": True}}) == ModelReport("p", "downloading")
+    assert model_report("p", ["not", "a", "dict"]) is None
+
+
+@pytest.mark.parametrize(
+    ("done", "total", "text"),
+    [
+        (327576781, 536870912, "312.4 MiB/512.0 MiB (61%)"),
+        (0, 16 * 1024**3, "0 B/16.0 GiB (0%)"),
+        (16 * 1024**3, 16 * 1024**3, "16.0 GiB/16.0 GiB (100%)"),
+        (327576781, None, "312.4 MiB"),
+        (512, None, "512 B"),
+    ],
+)
+def test_progress_text(done, total, text):
+    assert progress_text(done, total) == text
+
+
+def report(pod: str, phase: str, done: int = 0, total: int | None = None, error: str | None = None):
+    return ModelReport(pod, phase, done, total, error)
+
+
+def phase_of(pods, reports=(), previous=None) -> dict:
+    return model_phase(pods, list(reports), previous or {})
+
+
+def test_model_ready_when_any_pod_is_ready():
+    pods = [model_pod("a", ready=True), model_pod("b", containers=CRASHING)]
+    model = phase_of(pods, previous={"bytesTotal": 536870912})
+    assert model["phase"] == "Ready" and model["progress"] == "512.0 MiB/512.0 MiB (100%)"
+
+
+def test_model_failed_from_a_crash_looping_pod_with_the_reason():
+    model = phase_of([model_pod("a"), model_pod("b", containers=CRASHING)], [report("a", "downloading", 5, 10)])
+    assert model["phase"] == "Failed" and model["reason"] == NOPE
+    assert model["message"] == f"b: the server failed to start: {NOPE}"
+
+
+def test_model_failed_from_a_failed_ready_body():
+    model = phase_of([model_pod("a")], [report("a", "failed", error="hf://org/repo@v9: revision v9 not found")])
+    assert (model["phase"], model["reason"]) == ("Failed", "hf://org/repo@v9: revision v9 not found")
+
+
+@pytest.mark.parametrize(
+    ("reports", "phase", "message"),
+    [
+        ([report("a", "waiting")], "Downloading", "a: waiting for another pod's download into the shared cache"),
+        (
+            [report("a", "waiting"), report("b", "downloading", 327576781, 536870912)],
+            "Downloading",
+            "b: downloading, 312.4 MiB/512.0 MiB (61%)",
+        ),
+        ([report("a", "verifying", 10, 10)], "Downloading", "a: verifying the model files"),
+        ([report("a", "converting", 10, None)], "Downloading", "a: converting the model files"),
+        ([report("a", "downloading", 9, 10), report("b", "loading", 10, 10)], "Loading", "b: loading the weights"),
+    ],
+)
+def test_model_progress_from_the_most_advanced_pod(reports, phase, message):
+    model = phase_of([model_pod("a"), model_pod("b")], reports)
+    assert model["phase"] == phase and model["message"].startswith(message)
+
+
+def test_download_bytes_come_from_the_most_advanced_pod():
+    model = phase_of(
+        [model_pod("a"), model_pod("b")], [report("a", "downloading", 3, 10), report("b", "downloading", 7, 10)]
+    )
+    assert (model["bytesDone"], model["bytesTotal"], model["progress"]) == (7, 10, "7 B/10 B (70%)")
+
+
+def test_model_pending_with_what_kubernetes_says():
+    unscheduled = {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": "claim unbound"}
+    model = phase_of([model_pod("a", conditions=[unscheduled])])
+    assert model == {"phase": "Pending", "message": "a: Unschedulable: claim unbound"}
+    assert phase_of([])["phase"] == "Pending"
+
+
+def test_a_restarted_pod_stays_failed_until_it_makes_progress():
+    """Between CrashLoopBackOff restarts the container runs again for a moment: the phase holds at Failed
+    (no Failed/Pending flapping, no event per restart) until the new run shows bytes or a later phase."""
+    again = [server_container({"running": {}}, last={"terminated": terminated(TRACEBACK_THEN_LINE)}, restarts=3)]
+    pod = model_pod("a", containers=again)
+    assert phase_of([pod])["phase"] == "Failed"
+    assert phase_of([pod], [report("a", "downloading", 0, None)])["phase"] == "Failed"
+    assert phase_of([pod], [report("a", "downloading", 1024, 2048)])["phase"] == "Downloading"
+    assert phase_of([pod], [report("a", "loading", 0, None)])["phase"] == "Loading"
+
+
+def test_model_status_keeps_the_transition_time_while_the_phase_holds():
+    spec = {"model": "s3://models/x"}
+    first = model_status(spec, [model_pod("a")], [report("a", "downloading", 1, 10)], {}, NOW)
+    assert first["source"] == "s3://models/x" and first["lastTransitionTime"] == NOW
+    later = model_status(spec, [model_pod("a")], [report("a", "downloading", 5, 10)], first, "2025-01-01T00:01:00Z")
+    assert later["lastTransitionTime"] == NOW and later["bytesDone"] == 5
+    ready = model_status(spec, [model_pod("a", ready=True)], [], later, "2025-01-01T00:02:00Z")
+    assert ready["lastTransitionTime"] == "2025-01-01T00:02:00Z" and ready["bytesTotal"] == 10
+    moved = model_status({"model": "s3://models/y"}, [model_pod("a", ready=True)], [], ready, "2025-01-01T00:03:00Z")
+    assert moved["lastTransitionTime"] == "2025-01-01T00:03:00Z" and "bytesTotal" not in moved  # another model
+
+
+def test_only_the_current_specs_pods_speak_for_the_model():
+    spec = {"model": "s3://models/new"}
+    now_hash = builders.config_hash(spec)
+    pods = [
+        model_pod("old", ready=True, config_hash="0ld"),
+        model_pod("new", containers=CRASHING, config_hash=now_hash),
+    ]
+    assert [p.name for p in current_pods(pods, spec)] == ["new"]
+    bms = {"metadata": {"name": "smollm2", "namespace": "ml"}, "spec": spec}
+    s = server_status(bms, deployment(1, 1, updated=0), pods, {}, NOW)
+    assert s["model"]["phase"] == "Failed"  # the old pod still serves the old model, not this one
+    assert s["phase"] == "Progressing"  # ... so the server itself still answers
+
+
+def test_server_status_failed_model_in_phase_and_conditions():
+    bms = {"metadata": {"name": "smollm2", "namespace": "ml", "generation": 2}, "spec": {"model": "s3://models/nope"}}
+    s = server_status(bms, deployment(2, 0), [model_pod("a", containers=CRASHING)], {}, NOW)
+    assert s["phase"] == "Failed" and NOPE in s["message"]
+    assert (
+        s["model"]["phase"] == "Failed" and s["model"]["reason"] == NOPE and s["model"]["source"] == "s3://models/nope"
+    )
+    conditions = {x["type"]: x for x in s["conditions"]}
+    assert conditions["Ready"]["status"] == "False" and NOPE in conditions["Ready"]["message"]
+    model_ready = conditions["ModelReady"]
+    assert (model_ready["status"], model_ready["reason"]) == ("False", "Failed") and NOPE in model_ready["message"]
+    assert model_ready["observedGeneration"] == 2
+    fixed = server_status(bms, deployment(2, 2), [model_pod("a", ready=True), model_pod("b", ready=True)], s, NOW)
+    conditions = {x["type"]: x for x in fixed["conditions"]}
+    assert fixed["phase"] == "Ready" and conditions["ModelReady"]["status"] == "True"
+
+
+class FakeReady:
+    """A starting server's /ready on 127.0.0.1: 503 with the model object; records the headers it got."""
+
+    def __init__(self, body: dict, status: int = 503) -> None:
+        self.body, self.status = body, status
+        self.headers: list[dict[str, str]] = []
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                fake.headers.append(dict(self.headers))
+                data = json.dumps(fake.body).encode() if self.path == "/ready" else b"{}"
+                self.send_response(fake.status if self.path == "/ready" else 404)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+        self.port = self.server.server_address[1]
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+DOWNLOADING = {
+    "status": "loading",
+    "step": "resolving the model",
+    "step_seconds": 3.0,
+    "loading_seconds": 3.0,
+    "model": {"source": "s3://models/x", "phase": "downloading", "bytes_done": 327576781, "bytes_total": 536870912},
+}
+
+
+def test_model_reports_read_the_starting_pods_ready_over_http():
+    fake = FakeReady(DOWNLOADING)
+    try:
+
+        async def go():
+            async with make_http_client(timeout_s=2.0) as http:
+                ctx = OperatorContext(api=None, http=http)
+                starting = PodInfo("a", "ml", "smollm2", "u-a", "127.0.0.1", False, 0)
+                ready = PodInfo("b", "ml", "smollm2", "u-b", "127.0.0.1", True, 0)  # serves: not asked
+                no_ip = PodInfo("c", "ml", "smollm2", "u-c", None, False, 0)
+                silent = PodInfo("d", "ml", "smollm2", "u-d", "127.0.0.2", False, 0)  # nothing listens there
+                return await reconcile.model_reports(ctx, [starting, ready, no_ip, silent], fake.port)
+
+        reports = asyncio.run(go())
+    finally:
+        fake.close()
+    assert reports == [ModelReport("a", "downloading", 327576781, 536870912)]
+    (headers,) = fake.headers  # one GET: the ready pod was not asked
+    assert "authorization" not in {k.lower() for k in headers}  # /ready is open: no admin token sent

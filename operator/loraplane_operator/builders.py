@@ -1,4 +1,5 @@
-"""Pure manifest builders for a BaseModelServer: Deployment, Service, HPA, KEDA ScaledObject.
+"""Pure manifest builders for a BaseModelServer: Deployment, Service, HPA, KEDA ScaledObject and the model
+cache's PersistentVolumeClaim.
 
 Each `get_*` takes the BaseModelServer body (metadata + spec, CRD defaults applied or not) and returns a
 manifest dict with no owner references; the handlers adopt and apply it. No I/O here.
@@ -18,6 +19,9 @@ Body = Mapping[str, Any]
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_IMAGE = "loraplane:latest"
 DEFAULT_PORT = 8080
+DEFAULT_CACHE_MOUNT = "/var/cache/loraplane-models"
+DEFAULT_CLAIM_SIZE = "20Gi"
+DEFAULT_CLAIM_ACCESS = ("ReadWriteMany",)  # replicas on several nodes share one download
 
 # engine field -> `loraplane serve` flag
 ENGINE_FLAGS = {
@@ -71,8 +75,11 @@ def config_hash(spec: Mapping[str, Any]) -> str:
 
 
 def server_args(spec: Mapping[str, Any]) -> list[str]:
-    """The flags after the command: model, address, engine settings, allowed adapter sources, extras."""
+    """The flags after the command: model, model cache, address, engine settings, allowed adapter sources,
+    extras."""
     args = ["--model", str(spec.get("model") or DEFAULT_MODEL)]
+    if spec.get("modelCache") is not None:
+        args += ["--model-cache", cache_mount_path(spec)]
     args += ["--host", f"$({c.POD_IP_ENV})", "--port", str(server_port(spec))]
     engine = spec.get("engine") or {}
     for field, flag in ENGINE_FLAGS.items():
@@ -83,15 +90,89 @@ def server_args(spec: Mapping[str, Any]) -> list[str]:
     return args + [str(a) for a in spec.get("args") or []]
 
 
+def _secret_env(name: str, secret: str, key: str) -> dict[str, Any]:
+    """An env var read from a Secret by the kubelet: the value never enters a manifest."""
+    return {"name": name, "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}
+
+
+def credentials_env(spec: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """HF_TOKEN / AWS_* from the credentials' Secrets, plus the endpoints and region as plain values."""
+    creds = spec.get("credentials") or {}
+    env: list[dict[str, Any]] = []
+    hf = creds.get("huggingFace") or {}
+    if hf.get("secretName"):
+        env.append(_secret_env(c.HF_TOKEN_ENV, hf["secretName"], hf.get("key") or c.HF_TOKEN_ENV))
+    if hf.get("endpoint"):
+        env.append({"name": "HF_ENDPOINT", "value": str(hf["endpoint"])})
+    s3 = creds.get("s3") or {}
+    if s3.get("secretName"):
+        env.append(_secret_env(c.AWS_KEY_ID_ENV, s3["secretName"], s3.get("accessKeyIdKey") or c.AWS_KEY_ID_ENV))
+        key = s3.get("secretAccessKeyKey") or c.AWS_SECRET_ENV
+        env.append(_secret_env(c.AWS_SECRET_ENV, s3["secretName"], key))
+    if s3.get("endpoint"):
+        env.append({"name": "AWS_ENDPOINT_URL", "value": str(s3["endpoint"])})
+    if s3.get("region"):
+        env.append({"name": "AWS_REGION", "value": str(s3["region"])})
+    return env
+
+
 def _env(spec: Mapping[str, Any]) -> list[dict[str, Any]]:
     env: list[dict[str, Any]] = [
         {"name": c.POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
     ]
     ref = spec.get("adminTokenSecretRef")
     if ref:
-        key = ref.get("key") or "token"
-        env.append({"name": c.ADMIN_TOKEN_ENV, "valueFrom": {"secretKeyRef": {"name": ref["name"], "key": key}}})
-    return env + [dict(e) for e in spec.get("env") or []]
+        env.append(_secret_env(c.ADMIN_TOKEN_ENV, ref["name"], ref.get("key") or "token"))
+    return env + credentials_env(spec) + [dict(e) for e in spec.get("env") or []]
+
+
+# model cache
+def cache_mount_path(spec: Mapping[str, Any]) -> str:
+    return str((spec.get("modelCache") or {}).get("mountPath") or DEFAULT_CACHE_MOUNT)
+
+
+def cache_claim_name(name: str) -> str:
+    return f"{name}-model-cache"
+
+
+def is_created_claim(spec: Mapping[str, Any]) -> bool:
+    """A PersistentVolumeClaim cache without claimName: the operator creates and owns the claim."""
+    cache = spec.get("modelCache")
+    return cache is not None and cache.get("volume") == "PersistentVolumeClaim" and not cache.get("claimName")
+
+
+def cache_volume(name: str, spec: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The pod volume `model-cache` the spec asks for, None without spec.modelCache."""
+    cache = spec.get("modelCache")
+    if cache is None:
+        return None
+    kind = cache.get("volume") or "EmptyDir"
+    if kind == "PersistentVolumeClaim":
+        source: dict[str, Any] = {
+            "persistentVolumeClaim": {"claimName": cache.get("claimName") or cache_claim_name(name)}
+        }
+    elif kind == "HostPath":
+        source = {"hostPath": {"path": cache["hostPath"], "type": "DirectoryOrCreate"}}
+    else:
+        source = {"emptyDir": {"sizeLimit": str(cache["size"])} if cache.get("size") else {}}
+    return {"name": c.CACHE_VOLUME, **source}
+
+
+def get_model_cache_claim(bms: Body) -> dict[str, Any] | None:
+    """The claim the operator creates for a PersistentVolumeClaim cache without claimName, else None."""
+    spec = bms.get("spec") or {}
+    if not is_created_claim(spec):
+        return None
+    cache = spec["modelCache"]
+    claim: dict[str, Any] = {
+        "accessModes": list(cache.get("accessModes") or DEFAULT_CLAIM_ACCESS),
+        "resources": {"requests": {"storage": str(cache.get("size") or DEFAULT_CLAIM_SIZE)}},
+    }
+    if cache.get("storageClassName"):
+        claim["storageClassName"] = cache["storageClassName"]
+    manifest = _manifest("v1", "PersistentVolumeClaim", bms, claim)
+    manifest["metadata"]["name"] = cache_claim_name(bms["metadata"]["name"])
+    return manifest
 
 
 def _resources(spec: Mapping[str, Any]) -> dict[str, Any]:
@@ -129,18 +210,25 @@ def get_container(spec: Mapping[str, Any]) -> dict[str, Any]:
         "ports": [{"name": c.PORT_NAME, "containerPort": server_port(spec), "protocol": "TCP"}],
         "readinessProbe": _probe("/ready", 5, 3),
         "livenessProbe": _probe("/health", 10, 6),
+        # a start-up failure's last log line becomes the terminated state's message, read into status.model
+        "terminationMessagePolicy": "FallbackToLogsOnError",
     }
+    if spec.get("modelCache") is not None:
+        container["volumeMounts"] = [{"name": c.CACHE_VOLUME, "mountPath": cache_mount_path(spec)}]
     resources = _resources(spec)
     if resources:
         container["resources"] = resources
     return container
 
 
-def get_pod_spec(spec: Mapping[str, Any]) -> dict[str, Any]:
+def get_pod_spec(name: str, spec: Mapping[str, Any]) -> dict[str, Any]:
     pod: dict[str, Any] = {
         "containers": [get_container(spec)],
         "terminationGracePeriodSeconds": c.TERMINATION_GRACE_S,
     }
+    volume = cache_volume(name, spec)
+    if volume is not None:
+        pod["volumes"] = [volume]
     if spec.get("nodeSelector"):
         pod["nodeSelector"] = dict(spec["nodeSelector"])
     if spec.get("tolerations"):
@@ -173,7 +261,7 @@ def get_deployment(bms: Body, current_replicas: int | None = None) -> dict[str, 
         "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
         "template": {
             "metadata": {"labels": labels, "annotations": {c.CONFIG_HASH_ANNOTATION: config_hash(spec)}},
-            "spec": get_pod_spec(spec),
+            "spec": get_pod_spec(name, spec),
         },
     }
     dep_spec["replicas"] = deployment_replicas(spec, current_replicas)

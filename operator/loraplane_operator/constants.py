@@ -34,6 +34,11 @@ CONTAINER_NAME = "server"
 PORT_NAME = "http"
 DEFAULT_COMMAND = ("loraplane", "serve")
 ADMIN_TOKEN_ENV = "LORAPLANE_ADMIN_TOKEN"
+HF_TOKEN_ENV = "HF_TOKEN"
+AWS_KEY_ID_ENV = "AWS_ACCESS_KEY_ID"
+AWS_SECRET_ENV = "AWS_SECRET_ACCESS_KEY"
+CACHE_VOLUME = "model-cache"
+FAILURE_PREFIX = "loraplane: failed to start: "  # the server's last stderr line when it cannot start
 POD_IP_ENV = "POD_IP"
 GPU_RESOURCE = "nvidia.com/gpu"
 QUEUE_DEPTH_METRIC = "loraplane_queue_depth"
@@ -53,7 +58,7 @@ SERVER_PROGRESSING = "Progressing"
 
 # timings (seconds) and retry limits
 ADAPTER_RESYNC_S = 15.0  # residency timer
-SERVER_RESYNC_S = 10.0  # BaseModelServer status timer
+SERVER_RESYNC_S = 5.0  # BaseModelServer status timer (also how often a download's progress is read)
 LOADING_POLL_S = 3.0  # re-read residency this soon while a load is in progress
 UNLOAD_RETRIES = 5  # delete handler retries while pods refuse (adapter in use, 5xx) before letting go
 MAX_ATTEMPTS = 5  # failed rounds before a LoRAAdapter is Failed and retries stop
@@ -62,4 +67,5 @@ BACKOFF_MAX_S = 300.0
 RESIDENCY_TTL_S = 4.0  # one GET /v1/adapters per pod serves every adapter for this long
 TOKEN_TTL_S = 30.0
 ADMIN_TIMEOUT_S = 10.0
+READY_TIMEOUT_S = 2.0  # a starting pod's /ready, read on every status tick
 PREWARM_CONCURRENCY = 8  # admin calls in flight per pod

@@ -1,16 +1,17 @@
 """Thin kopf handlers: unpack, call a builder or a reconcile function, apply, report.
 
-BaseModelServer: create/update/resume apply the Deployment, Service and autoscaler (owned, server-side
-applied); a timer mirrors the Deployment into the status. LoRAAdapter: one daemon per adapter runs
-reconcile rounds (now on spec changes, every few seconds while loading, with backoff after failures,
-every ADAPTER_RESYNC_S otherwise); delete unloads it from every pod (the finalizer). Server pods: a pod
-that turns Ready or restarts gets every adapter of its server again.
+BaseModelServer: create/update/resume apply the model cache's claim, the Deployment, Service and autoscaler
+(owned, server-side applied); a timer mirrors the Deployment, the pods and the model's phase (read from the
+starting pods' /ready) into the status, with an Event when the model's phase changes.
+LoRAAdapter: one daemon per adapter runs reconcile rounds (now on spec changes, every few seconds while
+loading, with backoff after failures, every ADAPTER_RESYNC_S otherwise); delete unloads it from every pod
+(the finalizer). Server pods: a pod that turns Ready or restarts gets every adapter of its server again.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Hashable
+from collections.abc import Hashable, Mapping
 from typing import Any
 
 import kopf
@@ -20,12 +21,12 @@ from loraplane_operator import adapter_status as st
 from loraplane_operator import builders, kube, reconcile
 from loraplane_operator import constants as c
 from loraplane_operator.context import OperatorContext
-from loraplane_operator.server_status import PodInfo, ServerRef, pod_info, server_ref, server_status
+from loraplane_operator.server_status import PodInfo, ServerRef, current_pods, pod_info, server_ref, server_status
 
 BMS = (c.GROUP, c.VERSION, c.BMS_PLURAL)
 LORA = (c.GROUP, c.VERSION, c.LORA_PLURAL)
 SERVER_PODS = {c.MANAGED_BY_LABEL: c.MANAGED_BY}
-SERVER_STATUS_KEYS = frozenset({"phase", "message", "replicas", "readyReplicas", "selector", "endpoints"})
+SERVER_STATUS_KEYS = frozenset({"phase", "message", "replicas", "readyReplicas", "selector", "endpoints", "model"})
 
 
 def _ctx(memo: kopf.Memo) -> OperatorContext:
@@ -81,11 +82,14 @@ async def apply_server(
     patch: kopf.Patch,
     **_: Any,
 ) -> None:
-    """Deployment + Service (+ HPA or ScaledObject), owned by the BaseModelServer, applied idempotently."""
+    """Model cache claim (if created) + Deployment + Service (+ HPA or ScaledObject), owned by the
+    BaseModelServer, applied idempotently."""
     ctx, namespace = _ctx(memo), namespace or ""
     try:
         live = await reconcile.current_replicas(ctx, namespace, name) if builders.is_autoscaled(spec) else None
-        objs = [builders.get_deployment(body, live), builders.get_service(body)]
+        claim = builders.get_model_cache_claim(body)
+        objs = [claim] if claim is not None else []
+        objs += [builders.get_deployment(body, live), builders.get_service(body)]
         autoscaler = builders.get_autoscaler(body)
         if autoscaler is not None:
             objs.append(autoscaler)
@@ -103,19 +107,34 @@ async def server_status_timer(
     body: kopf.Body,
     name: str,
     namespace: str | None,
+    spec: kopf.Spec,
     status: kopf.Status,
     memo: kopf.Memo,
     patch: kopf.Patch,
     server_pods: kopf.Index,
     **_: Any,
 ) -> None:
-    """Mirror the Deployment and the Ready pods into the BaseModelServer's status."""
-    namespace = namespace or ""
-    deployment = await kube.get(_ctx(memo).api, "apps/v1", "Deployment", namespace, name)
+    """Mirror the Deployment, the Ready pods and the model's phase into the BaseModelServer's status."""
+    ctx, namespace = _ctx(memo), namespace or ""
+    deployment = await kube.get(ctx.api, "apps/v1", "Deployment", namespace, name)
     pods: list[PodInfo] = list(server_pods.get((namespace, name), []))
-    new = server_status(body, deployment, pods, status, reconcile.now_iso())
+    reports = await reconcile.model_reports(ctx, current_pods(pods, spec), builders.server_port(spec))
+    new = server_status(body, deployment, pods, status, reconcile.now_iso(), reports)
     for key, value in st.status_patch(status, new, SERVER_STATUS_KEYS).items():
         patch.status[key] = value
+    _report_model(body, status.get("model") or {}, new["model"])
+
+
+def _report_model(body: kopf.Body, before: Mapping[str, Any], model: Mapping[str, Any]) -> None:
+    """An Event when the model's phase (or source) changes: Downloading, Loading, Ready, or Failed (a warning
+    with the reason). Nothing while it holds, however long a download takes."""
+    if (before.get("phase"), before.get("source")) == (model["phase"], model["source"]):
+        return
+    message = f"{model['source']}: {model['message']}"[:1000]
+    if model["phase"] == c.PHASE_FAILED:
+        kopf.warn(body, reason="ModelFailed", message=message)
+    elif model["phase"] != c.PHASE_PENDING:
+        kopf.info(body, reason=f"Model{model['phase']}", message=message)
 
 
 # LoRAAdapter

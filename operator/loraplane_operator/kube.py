@@ -16,6 +16,7 @@ from loraplane_operator import constants as c
 PLURALS = {
     "Deployment": "deployments",
     "Service": "services",
+    "PersistentVolumeClaim": "persistentvolumeclaims",
     "HorizontalPodAutoscaler": "horizontalpodautoscalers",
     "ScaledObject": c.KEDA_PLURAL,
     c.BMS_KIND: c.BMS_PLURAL,

@@ -15,6 +15,7 @@ RULES: list[dict[str, list[str]]] = [
      "verbs": ["update"]},
     {"apiGroups": ["apps"], "resources": ["deployments"], "verbs": _CRUD},
     {"apiGroups": [""], "resources": ["services"], "verbs": _CRUD},
+    {"apiGroups": [""], "resources": ["persistentvolumeclaims"], "verbs": ["get", "create", "patch"]},
     {"apiGroups": ["autoscaling"], "resources": ["horizontalpodautoscalers"], "verbs": _CRUD},
     {"apiGroups": ["keda.sh"], "resources": ["scaledobjects"], "verbs": _CRUD},
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},

@@ -1,5 +1,6 @@
 """The operator's work behind the thin handlers: apply a server's children, run one LoRAAdapter round
-(read residency, prewarm where needed, compute status), prewarm a new pod, unload on delete."""
+(read residency, prewarm where needed, compute status), prewarm a new pod, unload on delete, read the
+model reports of starting server pods."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
+import httpx
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from loraplane_operator import adapter_status as st
@@ -16,7 +18,7 @@ from loraplane_operator import constants as c
 from loraplane_operator import kube
 from loraplane_operator.admin_client import AdminError, RetryableAdminError
 from loraplane_operator.context import OperatorContext
-from loraplane_operator.server_status import PodInfo, ServerRef, ready_pods
+from loraplane_operator.server_status import ModelReport, PodInfo, ServerRef, model_report, ready_pods
 
 AUTOSCALERS = ((c.HPA_API_VERSION, "HorizontalPodAutoscaler"), (c.KEDA_API_VERSION, "ScaledObject"))
 
@@ -37,9 +39,12 @@ def age_s(timestamp: str | None, now: str) -> float | None:
 
 # BaseModelServer
 async def apply_children(ctx: OperatorContext, objs: Sequence[Mapping[str, Any]], namespace: str, name: str) -> None:
-    """Apply the Deployment, Service and autoscaler; delete the autoscaler kind the spec no longer asks for."""
+    """Apply the model cache's claim (created once), the Deployment, Service and autoscaler; delete the
+    autoscaler kind the spec no longer asks for. The claim is never deleted here (its owner's deletion does)."""
     for obj in objs:
         try:
+            if obj["kind"] == "PersistentVolumeClaim" and await _exists(ctx, obj):
+                continue  # a bound claim's spec is immutable; the downloaded models stay
             await kube.apply(ctx.api, obj)
         except ApiException as exc:
             exc.reason = f"{obj['kind']} ({obj['apiVersion']}): {exc.reason}"
@@ -48,6 +53,27 @@ async def apply_children(ctx: OperatorContext, objs: Sequence[Mapping[str, Any]]
     for api_version, kind in AUTOSCALERS:
         if kind not in kinds:
             await kube.delete_if_exists(ctx.api, api_version, kind, namespace, name)
+
+
+async def _exists(ctx: OperatorContext, obj: Mapping[str, Any]) -> bool:
+    meta = obj["metadata"]
+    return await kube.get(ctx.api, obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"]) is not None
+
+
+async def read_model_report(ctx: OperatorContext, pod: PodInfo, port: int) -> ModelReport | None:
+    """GET /ready of a starting pod (no token: /ready is open), None if it does not answer or says nothing."""
+    try:
+        response = await ctx.http.get(pod.url(port) + "/ready", timeout=c.READY_TIMEOUT_S)
+        return model_report(pod.name, response.json())
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
+async def model_reports(ctx: OperatorContext, pods: Iterable[PodInfo], port: int) -> list[ModelReport]:
+    """The model reports of the pods that have an address but are not ready yet."""
+    starting = [p for p in pods if p.ip and not p.is_ready]
+    reports = await asyncio.gather(*(read_model_report(ctx, p, port) for p in starting))
+    return [r for r in reports if r is not None]
 
 
 async def current_replicas(ctx: OperatorContext, namespace: str, name: str) -> int | None:

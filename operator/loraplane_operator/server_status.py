@@ -1,8 +1,10 @@
 """Pure BaseModelServer logic: what a server pod looks like to the operator, and the server's status
-from its Deployment and pods."""
+from its Deployment and pods, with the model's phase (status.model) from the pods' start-up failures and
+their /ready reports."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -22,13 +24,17 @@ class PodInfo:
     ip: str | None
     is_ready: bool
     restarts: int
+    failure: str | None = None  # why the server cannot start, from its container's state
+    last_failure: str | None = None  # why it could not start the time before, while it runs again
+    note: str | None = None  # why the pod is not running yet (unscheduled, waiting for a volume or an image)
+    config_hash: str | None = None  # of the spec the pod was made from
 
     def url(self, port: int) -> str:
         return builders.pod_url(self.ip or "", port)
 
 
 def pod_info(body: Mapping[str, Any]) -> PodInfo | None:
-    """A server pod's identity, IP, readiness and restart count; None for pods of no server."""
+    """A server pod's identity, IP, readiness, restart count and start-up state; None for pods of no server."""
     meta = body.get("metadata") or {}
     server = (meta.get("labels") or {}).get(c.SERVER_LABEL)
     if not server:
@@ -37,7 +43,8 @@ def pod_info(body: Mapping[str, Any]) -> PodInfo | None:
     conditions = status.get("conditions") or []
     ready = any(x.get("type") == "Ready" and x.get("status") == "True" for x in conditions)
     ip = status.get("podIP") or None
-    restarts = sum(int(s.get("restartCount") or 0) for s in status.get("containerStatuses") or [])
+    containers = status.get("containerStatuses") or []
+    restarts = sum(int(s.get("restartCount") or 0) for s in containers)
     return PodInfo(
         name=meta.get("name", ""),
         namespace=meta.get("namespace", ""),
@@ -46,7 +53,201 @@ def pod_info(body: Mapping[str, Any]) -> PodInfo | None:
         ip=ip,
         is_ready=ready and ip is not None and not meta.get("deletionTimestamp"),
         restarts=restarts,
+        failure=next((f for f in map(start_failure, containers) if f), None),
+        last_failure=next((f for f in map(last_start_failure, containers) if f), None),
+        note=pod_note(status),
+        config_hash=(meta.get("annotations") or {}).get(c.CONFIG_HASH_ANNOTATION),
     )
+
+
+# why a server pod does not start
+MAX_REASON = 1000
+_URL_USERINFO = re.compile(r"(\b[a-zA-Z][a-zA-Z0-9+.-]*://)[^/@\s]+@")
+
+
+def redact(text: str) -> str:
+    """The server never prints credentials; should a URL with user:password@ reach a status anyway, it is cut."""
+    return _URL_USERINFO.sub(r"\1***@", text)[:MAX_REASON]
+
+
+def failure_line(message: str | None) -> str | None:
+    """The reason of the server's `loraplane: failed to start: <reason>` line in a termination message (the
+    log's tail under FallbackToLogsOnError: a traceback may come before it), None without that line."""
+    if not message or c.FAILURE_PREFIX not in message:
+        return None
+    rest = message[message.rindex(c.FAILURE_PREFIX) + len(c.FAILURE_PREFIX) :]
+    reason = (rest.splitlines() or [""])[0].strip()
+    return redact(reason) or None
+
+
+def _terminated_failure(terminated: Mapping[str, Any]) -> str | None:
+    reason = failure_line(terminated.get("message"))
+    if reason is None and terminated.get("reason") == "OOMKilled":
+        reason = "the server ran out of memory while starting (OOMKilled): raise resources.limits.memory"
+    return reason
+
+
+def start_failure(container: Mapping[str, Any]) -> str | None:
+    """A container that ended with the server's failure line (or out of memory), now or before the
+    CrashLoopBackOff it waits in; or one that cannot be created (a missing Secret or key). None otherwise,
+    e.g. for a container running again after a failure."""
+    state = container.get("state") or {}
+    if state.get("terminated"):
+        return _terminated_failure(state["terminated"])
+    waiting = state.get("waiting") or {}
+    if waiting.get("reason") == "CrashLoopBackOff":
+        return _terminated_failure((container.get("lastState") or {}).get("terminated") or {})
+    if waiting.get("reason") == "CreateContainerConfigError":
+        detail = str(waiting.get("message") or "its configuration is invalid")[:MAX_REASON]
+        return f"the server container cannot be created: {detail} (check spec.credentials and the Secrets)"
+    return None
+
+
+def last_start_failure(container: Mapping[str, Any]) -> str | None:
+    """The failure of the run before, for a container started again (not yet failed again)."""
+    state = container.get("state") or {}
+    if state.get("terminated") or (state.get("waiting") or {}).get("reason") == "CrashLoopBackOff":
+        return None  # start_failure's case
+    return _terminated_failure((container.get("lastState") or {}).get("terminated") or {})
+
+
+def pod_note(status: Mapping[str, Any]) -> str | None:
+    """Why a pod is not running yet, as Kubernetes says it: unscheduled (e.g. an unbound claim) or a
+    container waiting for something other than its restart."""
+    for cond in status.get("conditions") or []:
+        if cond.get("type") == "PodScheduled" and cond.get("status") == "False":
+            return f"{cond.get('reason') or 'Unschedulable'}: {cond.get('message') or ''}".strip(": ")[:MAX_REASON]
+    for container in status.get("containerStatuses") or []:
+        waiting = (container.get("state") or {}).get("waiting") or {}
+        if waiting.get("reason") not in (None, "CrashLoopBackOff", "ContainerCreating"):
+            return f"{waiting['reason']}: {waiting.get('message') or ''}".strip(": ")[:MAX_REASON]
+    return None
+
+
+# the model's phase
+@dataclass(frozen=True)
+class ModelReport:
+    """What a starting pod's /ready said about its model (server phases: waiting, downloading, verifying,
+    converting, loading, ready; failed with the error when it could not start)."""
+
+    pod: str
+    phase: str
+    bytes_done: int = 0
+    bytes_total: int | None = None
+    error: str | None = None
+
+
+SERVER_PHASE_ORDER = ("waiting", "downloading", "verifying", "converting", "loading", "ready")
+DOWNLOAD_PHASES = frozenset({"waiting", "downloading", "verifying", "converting"})
+
+
+def _int_or_none(value: Any) -> int | None:
+    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0 else None
+
+
+def model_report(pod: str, body: Any) -> ModelReport | None:
+    """The report in a /ready body, None when it says nothing about the model."""
+    if not isinstance(body, dict):
+        return None
+    if body.get("status") == "failed":
+        return ModelReport(pod, "failed", error=redact(str(body.get("error") or "the server failed to start")))
+    model = body.get("model")
+    if not isinstance(model, dict) or model.get("phase") not in SERVER_PHASE_ORDER:
+        return None
+    done = _int_or_none(model.get("bytes_done")) or 0
+    return ModelReport(pod, str(model["phase"]), done, _int_or_none(model.get("bytes_total")))
+
+
+def human_bytes(num: int) -> str:
+    value, unit = float(num), "B"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            break
+        value /= 1024
+    return f"{num} B" if unit == "B" else f"{value:.1f} {unit}"
+
+
+def progress_text(done: int, total: int | None) -> str:
+    """e.g. "312.4 MiB/512.0 MiB (61%)"; the bytes alone when the total is unknown."""
+    if not total:
+        return human_bytes(done)
+    return f"{human_bytes(done)}/{human_bytes(total)} ({min(100, done * 100 // total)}%)"
+
+
+def _most_advanced(reports: Sequence[ModelReport]) -> ModelReport | None:
+    live = [r for r in reports if r.phase in SERVER_PHASE_ORDER]
+    return max(live, key=lambda r: (SERVER_PHASE_ORDER.index(r.phase), r.bytes_done), default=None)
+
+
+def _report_message(r: ModelReport) -> str:
+    if r.phase == "waiting":
+        return f"{r.pod}: waiting for another pod's download into the shared cache"
+    if r.phase == "downloading":
+        return f"{r.pod}: downloading, {progress_text(r.bytes_done, r.bytes_total)}"
+    if r.phase in ("verifying", "converting"):
+        return f"{r.pod}: {r.phase} the model files"
+    return f"{r.pod}: loading the weights into memory"
+
+
+def _with_bytes(model: dict[str, Any], done: int | None, total: int | None) -> dict[str, Any]:
+    if done is not None:
+        model.update(bytesDone=done, progress=progress_text(done, total))
+    if total is not None:
+        model["bytesTotal"] = total
+    return model
+
+
+def current_pods(pods: Iterable[PodInfo], spec: Mapping[str, Any]) -> list[PodInfo]:
+    """The pods of the spec as it is (an older spec's pods say nothing about this model), by name."""
+    want = builders.config_hash(spec)
+    by_name = {p.name: p for p in pods if p.config_hash in (None, want)}
+    return [by_name[n] for n in sorted(by_name)]
+
+
+def _failure(pod: PodInfo, reports: Sequence[ModelReport]) -> str | None:
+    """The pod's start-up failure; one from its run before holds until its new run shows progress (so the
+    phase does not flap between restarts of a server that fails again)."""
+    if pod.failure or not pod.last_failure:
+        return pod.failure
+    report = next((r for r in reports if r.pod == pod.name), None)
+    moving = report is not None and (report.bytes_done > 0 or report.phase not in ("waiting", "downloading"))
+    return None if moving else pod.last_failure
+
+
+def model_phase(pods: Sequence[PodInfo], reports: Sequence[ModelReport], previous: Mapping[str, Any]) -> dict[str, Any]:
+    """phase, message, reason and bytes of the model: Ready when a pod is ready; else Failed when a pod could
+    not start; else Downloading or Loading from the most advanced /ready report; else Pending."""
+    ready = [p for p in pods if p.is_ready]
+    if ready:
+        total = _int_or_none(previous.get("bytesTotal"))
+        model = {"phase": "Ready", "message": f"{ready[0].name}: loaded ({len(ready)} pods ready)"}
+        return _with_bytes(model, total, total)
+    failed = [(p.name, f) for p in pods if (f := _failure(p, reports))] + [(r.pod, r.error) for r in reports if r.error]
+    if failed:
+        pod, reason = failed[0]
+        return {"phase": "Failed", "reason": reason, "message": f"{pod}: the server failed to start: {reason}"}
+    best = _most_advanced(reports)
+    if best is not None:
+        phase = "Downloading" if best.phase in DOWNLOAD_PHASES else "Loading"
+        return _with_bytes({"phase": phase, "message": _report_message(best)}, best.bytes_done, best.bytes_total)
+    notes = [f"{p.name}: {p.note}" for p in pods if p.note]
+    return {"phase": "Pending", "message": notes[0] if notes else "no server pod has reported its model yet"}
+
+
+def model_status(
+    spec: Mapping[str, Any],
+    pods: Sequence[PodInfo],
+    reports: Sequence[ModelReport],
+    previous: Mapping[str, Any],
+    now: str,
+) -> dict[str, Any]:
+    """status.model for spec.model, keeping lastTransitionTime (and the size) while the phase and source hold."""
+    source = str(spec.get("model") or builders.DEFAULT_MODEL)
+    same_source = previous.get("source") == source
+    model = {"source": source, **model_phase(pods, reports, previous if same_source else {})}
+    same = same_source and previous.get("phase") == model["phase"]
+    model["lastTransitionTime"] = previous.get("lastTransitionTime") if same else now
+    return model
 
 
 def ready_pods(pods: Iterable[PodInfo]) -> list[PodInfo]:
@@ -82,43 +283,59 @@ def server_phase(deployment: Mapping[str, Any] | None, desired: int) -> tuple[st
     return c.PHASE_DEGRADED, f"{ready}/{desired} pods ready"
 
 
+def _condition(
+    kind: str, is_true: bool, reason: str, message: str, previous: Mapping[str, Any], now: str, generation: Any
+) -> dict[str, Any]:
+    flag = "True" if is_true else "False"
+    old = next((x for x in previous.get("conditions") or [] if x.get("type") == kind), None)
+    since = old.get("lastTransitionTime") if old and old.get("status") == flag else None
+    condition = {"type": kind, "status": flag, "reason": reason, "message": message, "lastTransitionTime": since or now}
+    if generation is not None:
+        condition["observedGeneration"] = generation
+    return condition
+
+
 def server_status(
     bms: Mapping[str, Any],
     deployment: Mapping[str, Any] | None,
     pods: Sequence[PodInfo],
     previous: Mapping[str, Any],
     now: str,
+    reports: Sequence[ModelReport] = (),
 ) -> dict[str, Any]:
-    """The BaseModelServer status: replica counts, selector, endpoints, phase and the Ready condition."""
+    """The BaseModelServer status: replica counts, selector, endpoints, phase, the model, and the Ready and
+    ModelReady conditions. `reports`: the /ready answers of the current spec's starting pods."""
     name, spec = bms["metadata"]["name"], bms.get("spec") or {}
     dep_status = (deployment or {}).get("status") or {}
     dep_spec = (deployment or {}).get("spec") or {}
     desired = int(dep_spec.get("replicas", spec.get("replicas", 1)))
     phase, message = server_phase(deployment, desired)
+    model = model_status(spec, current_pods(pods, spec), reports, previous.get("model") or {}, now)
+    if model["phase"] == c.PHASE_FAILED and not ready_pods(pods):
+        phase, message = c.PHASE_FAILED, f"the model failed to load: {model['reason']}"
     port = builders.server_port(spec)
-    ready_flag = "True" if phase == c.PHASE_READY else "False"
-    old = next((x for x in previous.get("conditions") or [] if x.get("type") == "Ready"), None)
-    since = old.get("lastTransitionTime") if old and old.get("status") == ready_flag else None
     generation = (bms.get("metadata") or {}).get("generation")
-    condition = {
-        "type": "Ready",
-        "status": ready_flag,
-        "reason": phase,
-        "message": message,
-        "lastTransitionTime": since or now,
-    }
-    status: dict[str, Any] = {
+    return {
         "phase": phase,
         "message": message,
         "replicas": int(dep_status.get("replicas") or 0),
         "readyReplicas": int(dep_status.get("readyReplicas") or 0),
         "selector": builders.selector_string(name),
         "endpoints": {p.name: p.url(port) for p in ready_pods(pods)},
-        "conditions": [condition],
+        "model": model,
+        "conditions": [
+            _condition("Ready", phase == c.PHASE_READY, phase, message, previous, now, generation),
+            _condition(
+                "ModelReady",
+                model["phase"] == c.PHASE_READY,
+                model["phase"],
+                model["message"],
+                previous,
+                now,
+                generation,
+            ),
+        ],
     }
-    if generation is not None:
-        condition["observedGeneration"] = generation
-    return status
 
 
 @dataclass(frozen=True)
