@@ -14,6 +14,11 @@ from e2e.probe import ProbeState, probe_once
 from e2e.process import signal_group, spawn, stop
 
 MAX_BACKOFF_SECONDS = 10.0
+# the real kubelet's bounds: a termination message file is read up to 4 KiB; FallbackToLogsOnError takes
+# the last 80 lines of the log, then at most their last 2 KiB
+MAX_MESSAGE_BYTES = 4096
+MAX_LOG_LINES = 80
+MAX_LOG_BYTES = 2048
 
 
 def now_iso() -> str:
@@ -23,10 +28,12 @@ def now_iso() -> str:
 class Container:
     """Owned by the kubelet's sync loop; a daemon thread runs the probes while the process lives."""
 
-    def __init__(self, spec: dict[str, Any], log_path: Path) -> None:
+    def __init__(self, spec: dict[str, Any], log_path: Path, termination_file: Path | None = None) -> None:
         self.spec = spec
         self.name: str = spec["name"]
         self.log_path = log_path
+        self.termination_file = termination_file or log_path.with_name(f"{self.name}.termination-log")
+        self._log_offset = 0  # where this run's output starts in the log (restarts append to it)
         self.process: subprocess.Popen[bytes] | None = None
         self.restart_count = 0
         self.started_at: str | None = None
@@ -45,6 +52,9 @@ class Container:
         if self._num_starts:
             self.restart_count += 1
         self._num_starts += 1
+        self._log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
+        self.termination_file.parent.mkdir(parents=True, exist_ok=True)
+        self.termination_file.write_bytes(b"")
         self.process = spawn(argv, self.log_path, env=env, cwd=cwd)
         self.started_at, self.waiting = now_iso(), None
         self._start_probes(pod_ip, env)
@@ -67,11 +77,22 @@ class Container:
             "startedAt": self.started_at,
             "finishedAt": now_iso(),
         }
+        if message := self.termination_message(code):
+            self.terminated["message"] = message
         if restart_policy == "Always" or (restart_policy == "OnFailure" and code != 0):
             backoff = min(2.0**self.restart_count, MAX_BACKOFF_SECONDS)
             self.restart_at = time.monotonic() + backoff
             self.waiting = {"reason": "CrashLoopBackOff", "message": f"back-off {backoff:.0f}s restarting {self.name}"}
         return True
+
+    def termination_message(self, exit_code: int) -> str:
+        """The terminationMessagePath file's text; under FallbackToLogsOnError, when that is empty and the
+        container failed, the tail of this run's log."""
+        text = _read_from(self.termination_file, 0)[:MAX_MESSAGE_BYTES].decode(errors="replace")
+        if text or exit_code == 0 or self.spec.get("terminationMessagePolicy") != "FallbackToLogsOnError":
+            return text
+        lines = _read_from(self.log_path, self._log_offset).splitlines(keepends=True)[-MAX_LOG_LINES:]
+        return b"".join(lines)[-MAX_LOG_BYTES:].decode(errors="replace")
 
     def is_due(self, now: float) -> bool:
         """Waiting to (re)start and the backoff is over."""
@@ -161,3 +182,13 @@ class Container:
                 if probe_state is not readiness and probe_state.has_failed:  # liveness or startup
                     signal_group(process, signal.SIGKILL)  # the sync loop reaps it and restarts it
                     return
+
+
+def _read_from(path: Path, start: int) -> bytes:
+    """The bytes of `path` from offset `start`; nothing when it does not exist."""
+    try:
+        with open(path, "rb") as handle:
+            handle.seek(start)
+            return handle.read()
+    except OSError:
+        return b""

@@ -1,6 +1,7 @@
 """The process kubelet: a fake GPU node whose pods run as local processes, each on its own 127.x.y.z.
 
-It also plays the scheduler: pods without a node are bound to this node when they fit.
+It also plays the scheduler: pods without a node are bound to this node when they fit; and a local-path
+provisioner: a pending claim of such a pod gets a hostPath PersistentVolume under the kubelet's root.
 
     python -m e2e.kubelet --kubeconfig admin.kubeconfig [--node-name N] [--root DIR] [--pod-subnet 127.a.b]
 """
@@ -24,6 +25,7 @@ from e2e.container_env import build_env
 from e2e.node import NodeConfig, lease_manifest, lease_renewal, node_manifest, node_status, unfit_reason
 from e2e.pod_runtime import PodRuntime, parse_entrypoint
 from e2e.process import signal_group
+from e2e.volumes import claims_unfit_reason, reclaim_released, volume_dirs
 
 log = logging.getLogger("kubelet")
 LEASE_RENEW_SECONDS = 10.0
@@ -45,7 +47,7 @@ class ProcessKubelet:
     ) -> None:
         self.api = api
         self.node = node
-        self.root = root
+        self.root = root.absolute()  # PersistentVolume host paths must be absolute
         self.entrypoints = entrypoints or {}
         self.kubelet_version = kubelet_version
         self._free_ips = [f"{pod_subnet}.{x}" for x in range(2, 255)]
@@ -55,7 +57,7 @@ class ProcessKubelet:
         self._stopping = threading.Event()
         self._runtimes: dict[str, PodRuntime] = {}
         self._reported: dict[str, dict[str, Any]] = {}  # uid -> last status written
-        self._unschedulable: set[str] = set()
+        self._unschedulable: dict[str, str] = {}  # uid -> the reason last written to PodScheduled
         self._finalizing: set[str] = set()
 
     def run(self) -> None:
@@ -101,6 +103,8 @@ class ProcessKubelet:
         while not self._stopping.wait(LEASE_RENEW_SECONDS):
             try:
                 self.api.merge_patch(lease, lease_renewal())
+                for name in reclaim_released(self.api, self.node.name, self.root):
+                    log.info("deleted released volume %s", name)
                 if time.monotonic() - last_status >= NODE_STATUS_SECONDS:
                     status = node_status(self.node, self.kubelet_version)
                     self.api.merge_patch(f"/api/v1/nodes/{self.node.name}/status", {"status": status})
@@ -138,7 +142,7 @@ class ProcessKubelet:
     def _sync(self) -> None:
         with self._pods_lock:
             pods = dict(self._pods)
-        self._unschedulable &= pods.keys()
+        self._unschedulable = {uid: why for uid, why in self._unschedulable.items() if uid in pods}
         self._finalizing &= pods.keys()
         for uid, runtime in list(self._runtimes.items()):
             if uid not in pods:  # gone from the API (deleted with grace 0, or by us)
@@ -161,7 +165,7 @@ class ProcessKubelet:
         meta = pod["metadata"]
         if pod["spec"].get("schedulerName", "default-scheduler") != "default-scheduler":
             return
-        reason = unfit_reason(self.node, pod, on_node)
+        reason = unfit_reason(self.node, pod, on_node) or claims_unfit_reason(self.api, pod, self.node.name, self.root)
         path = f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}"
         try:
             if reason is None:
@@ -171,10 +175,10 @@ class ProcessKubelet:
                 self.api.create(f"{path}/binding", binding)
                 on_node.append({**pod, "spec": {**pod["spec"], "nodeName": self.node.name}})
                 log.info("bound %s/%s", meta["namespace"], meta["name"])
-            elif meta["uid"] not in self._unschedulable:
+            elif self._unschedulable.get(meta["uid"]) != reason:
                 condition = {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": reason}
                 self.api.merge_patch(f"{path}/status", {"status": {"conditions": [condition]}})
-                self._unschedulable.add(meta["uid"])
+                self._unschedulable[meta["uid"]] = reason
         except ApiError as error:
             if error.status not in (404, 409):
                 raise
@@ -198,7 +202,7 @@ class ProcessKubelet:
             log.info("starting %s/%s on %s", meta["namespace"], meta["name"], runtime.pod_ip)
         if runtime.is_terminating:
             return
-        runtime.sync(pod, self._container_env)
+        runtime.sync(pod, self._container_env, lambda pod: volume_dirs(self.api, pod, runtime.dir))
         self._report(runtime)
 
     def _report(self, runtime: PodRuntime) -> None:

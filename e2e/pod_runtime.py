@@ -13,9 +13,12 @@ from e2e.api import ApiError
 from e2e.container import Container, now_iso
 from e2e.container_env import ConfigError, expand
 from e2e.process import signal_group
+from e2e.volumes import MountTable, VolumeError
 
 # Builds a container's environment; raises ConfigError when a referenced object is missing.
 EnvBuilder = Callable[[dict[str, Any], dict[str, Any]], dict[str, str]]
+# Volume name -> host directory for a pod; raises VolumeError while a volume cannot be set up.
+VolumeResolver = Callable[[dict[str, Any]], dict[str, Path]]
 
 
 def image_repository(image: str) -> str:
@@ -40,32 +43,48 @@ class PodRuntime:
         self.is_terminating = False
         self.is_stopped = False
         self._transitions: dict[str, tuple[str, str]] = {}  # condition type -> (status, lastTransitionTime)
+        self.mounts: dict[str, MountTable] | None = None  # container name -> its mounts, once volumes are set up
         directory.mkdir(parents=True, exist_ok=True)
 
-    def sync(self, pod: dict[str, Any], build: EnvBuilder) -> None:
-        """Reaps exited processes and (re)starts the containers that are due."""
+    def sync(self, pod: dict[str, Any], build: EnvBuilder, resolve_volumes: VolumeResolver | None = None) -> None:
+        """Sets up the volumes once, reaps exited processes and (re)starts the containers that are due."""
         self.pod = pod
+        if self.mounts is None and not self._set_up_volumes(resolve_volumes):
+            return
         now = time.monotonic()
         for container in self.containers:
             container.reap(self.restart_policy)
             if not self.is_terminating and container.is_due(now):
                 self._start(container, build)
 
+    def _set_up_volumes(self, resolve: VolumeResolver | None) -> bool:
+        """True once every volume has a host directory; until then the containers wait, saying why."""
+        try:
+            dirs = resolve(self.pod) if resolve is not None else {}
+        except VolumeError as error:
+            for container in self.containers:
+                container.waiting = {"reason": "ContainerCreating", "message": f"waiting for volumes: {error}"}
+            return False
+        self.mounts = {c.name: MountTable.for_container(c.spec, dirs, c.termination_file) for c in self.containers}
+        return True
+
     def _start(self, container: Container, build: EnvBuilder) -> None:
         ips = [{"ip": self.pod_ip}]
         status = {**self.pod.get("status", {}), "podIP": self.pod_ip, "podIPs": ips, "hostIP": "127.0.0.1"}
+        assert self.mounts is not None
+        spec = self.mounts[container.name].translate_spec(container.spec)
         try:
-            env = build({**self.pod, "status": status}, container.spec)
+            env = build({**self.pod, "status": status}, spec)
         except (ConfigError, ApiError) as error:
             container.fail_to_start("CreateContainerConfigError", str(error))
             return
-        argv = self._argv(container.spec)
+        argv = self._argv(spec)
         if not argv:
-            image = container.spec.get("image", "")
+            image = spec.get("image", "")
             container.fail_to_start("CreateContainerError", f"no command, and no entrypoint known for image {image}")
             return
         argv = [expand(arg, env) for arg in argv]
-        cwd = Path(container.spec["workingDir"]) if container.spec.get("workingDir") else self.dir
+        cwd = Path(spec["workingDir"]) if spec.get("workingDir") else self.dir
         try:
             container.start(argv, env, cwd, self.pod_ip)
         except OSError as error:
