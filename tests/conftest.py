@@ -16,12 +16,37 @@ from loraplane_server import cpu_features
 from loraplane_server.builtin import resolve_model
 from loraplane_server.layers import cpu_kernels
 
+# kind -> (transformers config class, model class, what the kind adds to the common config)
+TINY_KINDS: dict[str, tuple[str, str, dict]] = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=False)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(tie_word_embeddings=False, sliding_window=None)),
+    # head_dim 24: not hidden / heads (16), as Qwen3's head_dim need not be
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(tie_word_embeddings=False, head_dim=24)),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(tie_word_embeddings=False)),
+    # local and global layers with their own rope bases; a window past the prompts the tests send
+    "gemma3": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        dict(
+            tie_word_embeddings=True,
+            head_dim=32,
+            query_pre_attn_scalar=24,
+            sliding_window=96,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            final_logit_softcapping=30.0,
+        ),
+    ),
+}
 
-def save_tiny(path: Path, kind: str, scale: float = 4.0, seed: int = 1234, **overrides: int) -> Path:
-    """A random llama (untied) or qwen2 (tied, q/k/v biases) model; `overrides` change the config's sizes."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    common = dict(
+def save_tiny(path: Path, kind: str, scale: float = 4.0, seed: int = 1234, **overrides: object) -> Path:
+    """A random model of one of TINY_KINDS (llama untied; qwen2 tied with q/k/v biases; ...); `overrides`
+    change the config. The newer kinds also get random norm weights, so every norm's weight matters."""
+    import transformers
+
+    config_name, model_name, extra = TINY_KINDS[kind]
+    common: dict[str, object] = dict(
         vocab_size=512,
         hidden_size=64,
         intermediate_size=160,
@@ -33,17 +58,17 @@ def save_tiny(path: Path, kind: str, scale: float = 4.0, seed: int = 1234, **ove
         bos_token_id=None,
         pad_token_id=None,
     )
+    common.update(extra)
     common.update(overrides)
     torch.manual_seed(seed)
-    if kind == "llama":
-        model = LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=False))
-    else:
-        model = Qwen2ForCausalLM(Qwen2Config(**common, tie_word_embeddings=True))
+    model = getattr(transformers, model_name)(getattr(transformers, config_name)(**common))
     # random init is near-uniform; widen the weights so greedy choices are far from ties
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 2:
                 p.mul_(scale)
+            elif kind not in ("llama", "qwen2"):
+                p.add_(torch.randn_like(p) * 0.2)
     model.save_pretrained(str(path), safe_serialization=True)
     return path
 

@@ -28,3 +28,21 @@ class RMSNorm(nn.Module):
         if delta is not None:
             residual.add_(delta)  # the same rounding as `residual + delta`
         return self(residual)
+
+
+class OffsetRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: the checkpoint stores w - 1 (zeros at init) and the scale (1 + w) multiplies in
+    float32 before the cast back. No CPU kernel computes this form, so add_forward stays in torch."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__(hidden_size, eps)
+        nn.init.zeros_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
+        return (normed * (1.0 + self.weight.float())).to(x.dtype)
+
+    def add_forward(self, residual: torch.Tensor, delta: torch.Tensor | None, kernels: bool) -> torch.Tensor:
+        if delta is not None:
+            residual.add_(delta)
+        return self(residual)

@@ -1,4 +1,5 @@
-"""Rotary position embeddings (default and Llama 3 frequency scaling), cos/sin cached once."""
+"""Rotary position embeddings (default, linear, Llama 3 and LongRoPE frequency scaling; full or partial
+rotary dims), cos/sin cached once."""
 
 from __future__ import annotations
 
@@ -7,14 +8,28 @@ import math
 import torch
 from torch import nn
 
+SUPPORTED_SCALING = ("default", "linear", "llama3", "longrope")
+
+
+def rope_kind(scaling: dict | None) -> str:
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    return "longrope" if kind == "su" else kind  # "su" is LongRoPE's first name in Phi-3 configs
+
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    """head_dim: the rotated dims (all of a head's, or a partial rotary's share)."""
+    shape = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    kind = rope_kind(scaling)
+    if kind == "longrope":  # the short factors: the engine caps the context where transformers uses them
+        assert scaling is not None
+        return 1.0 / (torch.tensor(scaling["short_factor"], dtype=torch.float32) * theta**shape)
+    inv_freq = 1.0 / (theta**shape)
     if kind == "default":
         return inv_freq
+    assert scaling is not None
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
     if kind == "llama3":
-        assert scaling is not None
         factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
         old_len = scaling["original_max_position_embeddings"]
         wavelen = 2 * math.pi / inv_freq
@@ -23,17 +38,39 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
         mid = (1 - smooth) * scaled / factor + smooth * scaled
         is_mid = (wavelen >= old_len / high) & (wavelen <= old_len / low)
         return torch.where(is_mid, mid, scaled)
-    raise ValueError(f"unsupported rope scaling type {kind!r} (supported: default, llama3)")
+    raise ValueError(f"unsupported rope scaling type {kind!r} (supported: {', '.join(SUPPORTED_SCALING)})")
+
+
+def rope_attention_scaling(scaling: dict | None, max_position_embeddings: int) -> float:
+    """The factor LongRoPE multiplies cos and sin by (1.0 for every other kind), as transformers derives it."""
+    if rope_kind(scaling) != "longrope":
+        return 1.0
+    assert scaling is not None
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    original = scaling["original_max_position_embeddings"]
+    factor = scaling.get("factor") or max_position_embeddings / original
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None) -> None:
+    def __init__(
+        self,
+        head_dim: int,
+        max_positions: int,
+        theta: float,
+        scaling: dict | None,
+        attention_scaling: float = 1.0,
+    ) -> None:
         super().__init__()
         inv_freq = rope_inv_freq(head_dim, theta, scaling)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        cos, sin = emb.cos(), emb.sin()
+        if attention_scaling != 1.0:
+            cos, sin = cos * attention_scaling, sin * attention_scaling
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Once per step: cos and sin for every token, [T, 1, D] in the activation dtype."""
@@ -43,7 +80,11 @@ class RotaryEmbedding(nn.Module):
 def apply_rotary(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    # q: [T, H, D], k: [T, KVH, D], cos/sin: [T, 1, D]
+    # q: [T, H, D], k: [T, KVH, D], cos/sin: [T, 1, Dr]; Dr < D rotates the first Dr dims (partial rotary)
+    dr = cos.shape[-1]
+    if dr < q.shape[-1]:
+        q_rot, k_rot = apply_rotary(q[..., :dr], k[..., :dr], cos, sin)
+        return torch.cat((q_rot, q[..., dr:]), dim=-1), torch.cat((k_rot, k[..., dr:]), dim=-1)
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 

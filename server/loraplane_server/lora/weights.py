@@ -8,6 +8,10 @@ adapter, the tensors the engine will multiply: the config's numbers are typed an
 scale is within MAX_ABS_SCALE, and every stored tensor (A, and B with the scale folded in, in the
 engine dtype) is finite and within MAX_ABS_WEIGHT. Pattern keys (alpha_pattern, rank_pattern) are
 matched as PEFT does in practice, a module-name suffix, by string comparison: no user regex is run.
+
+On a base model whose checkpoint fuses projections (Phi-3: qkv_proj, gate_up_proj), PEFT adapters target the
+fused names; such a pair (A [r, in], B [sum of outs, r]) is exactly one pair per projection we hold, the same A
+with B's rows split by projection, since x A^T B^T is the concatenation of x A^T B_p^T.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from loraplane_server.models.llama import TARGET_MODULES, ModelArgs
+from loraplane_server.models.llama import FUSED_PROJECTIONS, TARGET_MODULES, ModelArgs
 
 _KEY = re.compile(r"layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
 
@@ -66,6 +70,8 @@ def module_shapes(args: ModelArgs) -> dict[str, tuple[int, int]]:
         "gate_proj": (h, i),
         "up_proj": (h, i),
         "down_proj": (i, h),
+        "qkv_proj": (h, q + 2 * kv),
+        "gate_up_proj": (h, 2 * i),
     }
 
 
@@ -133,9 +139,10 @@ def _check_targets(targets: object) -> None:
         return
     if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
         raise AdapterError(f"target_modules must be a list of module names (or a string of at most {MAX_PATTERN_KEY})")
-    unknown = sorted(set(targets) - set(TARGET_MODULES))
+    unknown = sorted(set(targets) - set(TARGET_MODULES) - set(FUSED_PROJECTIONS))
     if unknown:
-        raise AdapterError(f"unknown target modules {unknown}; supported: {', '.join(TARGET_MODULES)}")
+        known = ", ".join((*TARGET_MODULES, *FUSED_PROJECTIONS))
+        raise AdapterError(f"unknown target modules {unknown}; supported: {known}")
 
 
 def _patterns(cfg: dict, name: str) -> dict:
@@ -202,19 +209,42 @@ def load_lora(path: Path, adapter_id: str, args: ModelArgs, max_rank: int, dtype
             raise AdapterError(f"unexpected tensor {key!r}: only lora_A/lora_B of {', '.join(TARGET_MODULES)}")
         layer, module, which = int(m[1]), m[3], m[4]
         if module not in TARGET_MODULES:
-            raise AdapterError(f"unknown target module {module!r} in {key!r}")
+            _check_fused(module, key, args)
         if layer >= args.num_layers:
             raise AdapterError(f"{key!r}: layer {layer} but the base model has {args.num_layers} layers")
         pairs.setdefault((layer, module), {})[which] = tensor
     if not pairs:
         raise AdapterError("the adapter holds no LoRA tensors")
     shapes = module_shapes(args)
-    tensors = {}
+    tensors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
     for (layer, module), ab in sorted(pairs.items()):
-        tensors[(layer, module)] = _check_pair(cfg, layer, module, ab, shapes[module], max_rank, dtype)
+        a, b = _check_pair(cfg, layer, module, ab, shapes[module], max_rank, dtype)
+        for sub, sub_b in _split_fused(module, b, shapes):
+            if (layer, sub) in tensors:
+                raise AdapterError(f"layer {layer} {sub}: targeted both alone and through {module}")
+            tensors[(layer, sub)] = (a, sub_b)
     rank = max(a.shape[0] for a, _ in tensors.values())
     modules = sorted({m for _, m in tensors}, key=TARGET_MODULES.index)
     return LoRAWeights(adapter_id, rank, modules, tensors, cfg)
+
+
+def _check_fused(module: str, key: str, args: ModelArgs) -> None:
+    if module not in FUSED_PROJECTIONS:
+        raise AdapterError(f"unknown target module {module!r} in {key!r}")
+    if not args.fused_projections:
+        parts = ", ".join(FUSED_PROJECTIONS[module])
+        raise AdapterError(
+            f"target module {module!r} is a fused projection (Phi-3); this {args.model_type} base model has "
+            f"{parts} apart: was the adapter trained on another model?"
+        )
+
+
+def _split_fused(module: str, b: torch.Tensor, shapes: dict[str, tuple[int, int]]) -> list[tuple[str, torch.Tensor]]:
+    """(projection, B rows) pairs: a fused module's B split by its projections' widths; else (module, B)."""
+    if module not in FUSED_PROJECTIONS:
+        return [(module, b)]
+    names = FUSED_PROJECTIONS[module]
+    return list(zip(names, (p.contiguous() for p in b.split([shapes[n][1] for n in names])), strict=True))
 
 
 def _check_pair(
@@ -239,7 +269,7 @@ def _check_pair(
         )
     if rank > max_rank:
         raise AdapterError(f"{where}: rank {rank} exceeds --max-lora-rank {max_rank}")
-    block = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+    block = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj") else "mlp"
     path = f"model.layers.{layer}.{block}.{module}"
     expected = _pattern_value(cfg.get("rank_pattern") or {}, path, cfg.get("r", rank))
     if expected != rank:

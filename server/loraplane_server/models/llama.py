@@ -1,4 +1,5 @@
-"""The Llama family (Llama 2/3, Mistral, Qwen2, SmolLM2): RMSNorm, RoPE, GQA attention, SwiGLU.
+"""The Llama family (Llama 2/3, Mistral, Qwen2, SmolLM2): RMSNorm, RoPE, GQA attention, SwiGLU; and the
+base classes of the other families (models/qwen3.py, phi3.py, gemma3.py), which set what differs.
 
 Every projection an adapter may target (q, k, v, o, gate, up, down) is a ProjectionLinear.
 """
@@ -17,13 +18,15 @@ from loraplane_server.layers import cpu_kernels
 from loraplane_server.layers.attention import paged_attention
 from loraplane_server.layers.linear import ProjectionLinear, base_linear
 from loraplane_server.layers.norm import RMSNorm
-from loraplane_server.layers.rotary import RotaryEmbedding, apply_rotary
+from loraplane_server.layers.rotary import RotaryEmbedding, apply_rotary, rope_attention_scaling
 
 if TYPE_CHECKING:
     from loraplane_server.lora.batch import LoRABatch
 
-SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# a checkpoint's (and its adapters') fused projections -> ours, in row order (Phi-3)
+FUSED_PROJECTIONS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
 @dataclass(frozen=True)
@@ -43,14 +46,32 @@ class ModelArgs:
     tie_word_embeddings: bool
     qkv_bias: bool
     mlp_bias: bool
+    hidden_act: str = "silu"
+    rotary_dim: int = 0  # the rotated dims of a head (a partial rotary's share); 0: all of them
+    attention_scale: float = 0.0  # 0: head_dim ** -0.5
+    fused_projections: bool = False  # the checkpoint holds FUSED_PROJECTIONS (Phi-3), split at load
+
+    def __post_init__(self) -> None:
+        if self.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"hidden_act {self.hidden_act!r} is not supported (supported: {', '.join(ACTIVATIONS)})")
+
+    @property
+    def rotated_dims(self) -> int:
+        return self.rotary_dim or self.head_dim
+
+    @property
+    def is_llama_shaped(self) -> bool:
+        """What the fused CPU decoder layer and the per-op rotary/SiLU kernels compute: SiLU MLP, full rotary."""
+        return self.hidden_act == "silu" and self.rotated_dims == self.head_dim
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> ModelArgs:
+        """The Llama-shaped part of a config.json (models/registry.py checks the model type first)."""
         model_type = cfg.get("model_type", "")
-        if model_type not in SUPPORTED_TYPES:
-            raise ValueError(f"model_type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_TYPES)})")
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
         heads = cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        partial = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
         return cls(
             model_type=model_type,
             vocab_size=cfg["vocab_size"],
@@ -59,7 +80,7 @@ class ModelArgs:
             num_layers=cfg["num_hidden_layers"],
             num_heads=heads,
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            head_dim=head_dim,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
             rope_scaling=rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None,
@@ -67,11 +88,14 @@ class ModelArgs:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
+            hidden_act=cfg.get("hidden_act", "silu"),
+            rotary_dim=int(head_dim * partial),  # as transformers rounds a partial rotary's dims
         )
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs, layer_idx: int) -> None:
+    def __init__(self, args: ModelArgs, layer_idx: int, qk_norm: type[RMSNorm] | None = None) -> None:
+        """qk_norm: a per-head norm class for q and k before rotary (Qwen3, Gemma 3); None: none."""
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
         q, kv = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
@@ -79,7 +103,10 @@ class Attention(nn.Module):
             args.hidden_size, {"q_proj": q, "k_proj": kv, "v_proj": kv}, args.qkv_bias, "qkv", layer_idx
         )
         self.o = ProjectionLinear(q, {"o_proj": args.hidden_size}, False, "o", layer_idx)
-        self.scale = args.head_dim**-0.5
+        self.q_norm = qk_norm(args.head_dim, args.rms_norm_eps) if qk_norm else None
+        self.k_norm = qk_norm(args.head_dim, args.rms_norm_eps) if qk_norm else None
+        self.scale = args.attention_scale or args.head_dim**-0.5
+        self.kernel_rotary = args.is_llama_shaped  # the CPU rotary kernel rotates whole heads
         self.layer_idx = layer_idx
 
     def forward(
@@ -98,7 +125,9 @@ class Attention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        if batch.layer_kernels and q.dtype == torch.bfloat16:
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if batch.layer_kernels and q.dtype == torch.bfloat16 and self.kernel_rotary:
             cpu_kernels.rotary_(q, k, *cos_sin)  # in place
         else:
             q, k = apply_rotary(q, k, *cos_sin)
@@ -117,8 +146,12 @@ class MLP(nn.Module):
         )
         self.down = ProjectionLinear(inter, {"down_proj": args.hidden_size}, args.mlp_bias, "down", layer_idx)
         self.intermediate_size = inter
+        self.hidden_act = args.hidden_act
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        if self.hidden_act != "silu":  # the CPU kernels fuse SiLU only
+            gate, up = self.gate_up(x, batch).split(self.intermediate_size, dim=-1)
+            return self.down(F.gelu(gate, approximate="tanh") * up, batch)
         kernels = batch.layer_kernels and x.dtype == torch.bfloat16
         if kernels and x.stride(-1) == 1 and (batch.lora is None or not batch.lora.targets(self.gate_up)):
             # no LoRA delta to add between the two: the activation runs in the GEMM's epilogue
@@ -142,11 +175,14 @@ class FusedStep:
 
 
 class DecoderLayer(nn.Module):
+    norm_class: type[RMSNorm] = RMSNorm
+    qk_norm: type[RMSNorm] | None = None
+
     def __init__(self, args: ModelArgs, layer_idx: int) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.self_attn = Attention(args, layer_idx)
-        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.input_layernorm = self.norm_class(args.hidden_size, args.rms_norm_eps)
+        self.self_attn = Attention(args, layer_idx, self.qk_norm)
+        self.post_attention_layernorm = self.norm_class(args.hidden_size, args.rms_norm_eps)
         self.mlp = MLP(args, layer_idx)
 
     def forward(
@@ -215,43 +251,57 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    # layers before the last through cpu_kernels.decoder_layer where it applies (off: the Python layers)
+    # layers before the last through cpu_kernels.decoder_layer where it applies (off: the Python layers);
+    # a family whose layer computes anything that kernel does not sets it False
     fuse_layers: bool = True
+    layer_class: type[DecoderLayer] = DecoderLayer
 
     def __init__(self, args: ModelArgs, max_positions: int) -> None:
         super().__init__()
         self.args = args
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.num_layers))
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.rotary = RotaryEmbedding(args.head_dim, max_positions, args.rope_theta, args.rope_scaling)
+        self.layers = nn.ModuleList(self.layer_class(args, i) for i in range(args.num_layers))
+        self.norm = self.layer_class.norm_class(args.hidden_size, args.rms_norm_eps)
+        scaling = rope_attention_scaling(args.rope_scaling, args.max_position_embeddings)
+        self.rotary = RotaryEmbedding(args.rotated_dims, max_positions, args.rope_theta, args.rope_scaling, scaling)
         self.lm_head = None if args.tie_word_embeddings else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         for p in self.parameters():
             p.requires_grad_(False)
 
     def forward(self, input_ids: torch.Tensor, kv_caches: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """input_ids [T] -> logits [S, V] for the rows in batch.logits_indices."""
-        x = self.embed_tokens(input_ids)  # [T, hidden]: the residual stream (a fresh tensor, updated in place)
+        x = self.embed(input_ids)  # [T, hidden]: the residual stream (a fresh tensor, updated in place)
         kernels = batch.layer_kernels and x.dtype == torch.bfloat16
-        cos_sin = self.rotary.cos_sin(batch.positions, x.dtype)  # [T, 1, D]
-        if kernels:
-            cos_sin = cos_sin[0].squeeze(1), cos_sin[1].squeeze(1)  # [T, D] for the fused rotary
+        cos_sins = self.cos_sins(batch.positions, x.dtype, kernels)
         h = self.layers[0].input_layernorm.add_forward(x, None, kernels)
         last = len(self.layers) - 1
         rows = batch.logits_rows_batch() if batch.prunes_last_layer else None
-        fused = self._fused_step(batch, cos_sin) if kernels and self.fuse_layers else None
+        can_fuse = kernels and self.fuse_layers and self.args.is_llama_shaped
+        fused = self._fused_step(batch, cos_sins[0]) if can_fuse else None
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             if i < last and fused is not None:
                 h = layer.fused(x, h, kv_cache, batch, self.layers[i + 1].input_layernorm, fused)
             elif i < last:
-                h = layer(x, h, cos_sin, kv_cache, batch, self.layers[i + 1].input_layernorm)
+                h = layer(x, h, cos_sins[i], kv_cache, batch, self.layers[i + 1].input_layernorm)
             else:
-                h = layer(x, h, cos_sin, kv_cache, batch, None, rows)
+                h = layer(x, h, cos_sins[i], kv_cache, batch, None, rows)
         if batch.logits_indices is not None and rows is None:
             h = h[batch.logits_indices]
         h = self.norm.add_forward(h.contiguous(), None, kernels)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return base_linear(h, weight, None, batch.layer_kernels)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def cos_sins(
+        self, positions: torch.Tensor, dtype: torch.dtype, kernels: bool
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's cos and sin ([T, 1, D]; [T, D] for the CPU rotary kernel). One rope for every layer here."""
+        cos_sin = self.rotary.cos_sin(positions, dtype)
+        if kernels and self.args.is_llama_shaped:
+            cos_sin = cos_sin[0].squeeze(1), cos_sin[1].squeeze(1)
+        return [cos_sin] * len(self.layers)
 
     def _fused_step(self, batch: ForwardBatch, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> FusedStep | None:
         """The step's arguments to cpu_kernels.decoder_layer, or None where the fused layer does not

@@ -9,7 +9,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from loraplane_server.models.llama import TARGET_MODULES, LlamaForCausalLM, ModelArgs
+from loraplane_server.layers.linear import ProjectionLinear
+from loraplane_server.models import registry
+from loraplane_server.models.llama import FUSED_PROJECTIONS, LlamaForCausalLM
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+_proj)\.(weight|bias)$")
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
@@ -31,47 +33,63 @@ def _weight_files(model_dir: Path) -> list[Path]:
 
 
 def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, max_positions: int) -> LlamaForCausalLM:
-    args = ModelArgs.from_hf_config(read_config(model_dir))
+    args = registry.model_args(read_config(model_dir))
     with torch.device(device):
-        model = LlamaForCausalLM(args, max_positions)
+        model = registry.build(args, max_positions)
     params = dict(model.named_parameters())
-    missing = _expected_keys(args)
+    missing = _expected_keys(model)
     for path in _weight_files(model_dir):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                missing.discard(_load_one(model, params, name, f.get_tensor(name)))
+                missing -= _load_one(model, params, name, f.get_tensor(name))
     if missing:
         raise ValueError(f"{model_dir}: checkpoint lacks {sorted(missing)[:5]}")
     return model.to(dtype=dtype)
 
 
-def _expected_keys(args: ModelArgs) -> set[str]:
-    keys = {"embed_tokens.weight", "norm.weight"} | (set() if args.tie_word_embeddings else {"lm_head.weight"})
-    for i in range(args.num_layers):
-        keys |= {f"layers.{i}.input_layernorm.weight", f"layers.{i}.post_attention_layernorm.weight"}
-        keys |= {f"layers.{i}.{p}.weight" for p in TARGET_MODULES}
-        keys |= {f"layers.{i}.{p}.bias" for p in ("q_proj", "k_proj", "v_proj") if args.qkv_bias}
-        keys |= {f"layers.{i}.{p}.bias" for p in ("gate_proj", "up_proj", "down_proj") if args.mlp_bias}
-    return keys
+def _expected_keys(model: LlamaForCausalLM) -> set[str]:
+    """Every tensor the checkpoint must fill: each projection by its own name, every other parameter."""
+    keys: set[str] = set()
+    owned: set[str] = set()
+    for path, module in model.named_modules():
+        if isinstance(module, ProjectionLinear):
+            parts = ["weight"] if module.bias is None else ["weight", "bias"]
+            keys |= {f"layers.{module.layer_idx}.{name}.{part}" for name in module.names for part in parts}
+            owned |= {f"{path}.{part}" for part in parts}
+    return keys | {name for name, _ in model.named_parameters() if name not in owned}
 
 
 def _load_one(
     model: LlamaForCausalLM, params: dict[str, torch.nn.Parameter], name: str, tensor: torch.Tensor
-) -> str | None:
-    """Copy one checkpoint tensor into place; returns the key it filled (None if ignored)."""
+) -> set[str]:
+    """Copy one checkpoint tensor into place; returns the keys it filled (none if ignored)."""
     m = _LAYER.match(name)
     if m:
         layer, proj, part = int(m[1]), m[3], m[4]
+        if model.args.fused_projections and proj in FUSED_PROJECTIONS:
+            return _load_fused(model, layer, proj, part, tensor)
         model.projection(layer, proj).load(proj, part, tensor)
-        return f"layers.{layer}.{proj}.{part}"
+        return {f"layers.{layer}.{proj}.{part}"}
     if _IGNORED.match(name):
-        return None
+        return set()
     key = name.removeprefix("model.")
     if key == "lm_head.weight" and model.lm_head is None:
-        return None  # tied embeddings: the checkpoint may carry a copy
+        return set()  # tied embeddings: the checkpoint may carry a copy
     if key not in params:
         raise ValueError(f"unexpected checkpoint tensor {name!r}")
     if params[key].shape != tensor.shape:
         raise ValueError(f"{name}: shape {tuple(tensor.shape)}, expected {tuple(params[key].shape)}")
     params[key].data.copy_(tensor)
-    return key
+    return {key}
+
+
+def _load_fused(model: LlamaForCausalLM, layer: int, proj: str, part: str, tensor: torch.Tensor) -> set[str]:
+    """A fused checkpoint projection (Phi-3's qkv_proj, gate_up_proj), split by rows into ours."""
+    names = FUSED_PROJECTIONS[proj]
+    target = model.projection(layer, names[0])
+    sizes = [target.slices[n][1] - target.slices[n][0] for n in names]
+    if tensor.shape[0] != sum(sizes):
+        raise ValueError(f"layers.{layer}.{proj}.{part}: {tensor.shape[0]} rows, expected {sum(sizes)} ({sizes})")
+    for sub, piece in zip(names, tensor.split(sizes), strict=True):
+        target.load(sub, part, piece)
+    return {f"layers.{layer}.{sub}.{part}" for sub in names}

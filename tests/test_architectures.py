@@ -1,0 +1,417 @@
+"""The architectures beyond Llama (Qwen3, Phi-3, Gemma 3; Mistral's window), each on a tiny random model
+built from transformers' own config class: greedy token-for-token parity with transformers under
+continuous batching (joins, prefix hits, preemption), a mixed batch of PEFT adapters (different ranks and
+targets, Phi-3's fused ones included) equal to PEFT per adapter, bf16 runs scored by the fp32 model, the
+context capped where the engine would not be exact, and unsupported architectures refused at start."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import save_tiny
+from test_engine_hf import hf_greedy, run_staggered
+from test_multi_lora_peft import run_mixed
+
+from lora_helpers import make_peft_adapter, peft_greedy, teacher_forced
+from loraplane_server.config import EngineConfig
+from loraplane_server.engine import LLMEngine
+from loraplane_server.layers import cpu_kernels
+from loraplane_server.layers.triton_attention import triton_available
+from loraplane_server.lora.weights import AdapterError, load_lora
+from loraplane_server.models import registry
+from loraplane_server.models.llama import ModelArgs
+from loraplane_server.sampling_params import SamplingParams
+
+VOCAB = 512
+# variants: the tiny kind and its config overrides
+VARIANTS: dict[str, tuple[str, dict]] = {
+    "qwen3": ("qwen3", {}),
+    "qwen3-tied": ("qwen3", dict(tie_word_embeddings=True, head_dim=16)),
+    "phi3": ("phi3", {}),
+    # LongRoPE (attention factor != 1) on a partial rotary, as Phi-3.5 / Phi-4-mini configs have
+    "phi3-longrope": (
+        "phi3",
+        dict(
+            partial_rotary_factor=0.5,
+            original_max_position_embeddings=128,
+            rope_scaling=dict(type="longrope", short_factor=[1.0, 1.5, 2.0, 4.0], long_factor=[8.0] * 4),
+        ),
+    ),
+    "gemma3": ("gemma3", {}),
+}
+ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ADAPTERS: dict[str, dict] = {  # three ranks, three target sets, one rsLoRA
+    "qv-r4": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+    "all-r8": dict(r=8, lora_alpha=16, target_modules=list(ALL)),
+    "mlp-rs16": dict(r=16, lora_alpha=4, use_rslora=True, target_modules=["o_proj", "gate_proj", "down_proj"]),
+}
+PHI3_ADAPTERS: dict[str, dict] = {  # PEFT on Phi-3 sees only the fused projections
+    "qkv-r4": dict(r=4, lora_alpha=8, target_modules=["qkv_proj"]),
+    "all-r8": dict(r=8, lora_alpha=16, target_modules=["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]),
+    "mlp-rs16": dict(r=16, lora_alpha=4, use_rslora=True, target_modules=["o_proj", "gate_up_proj", "down_proj"]),
+}
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return {
+        name: save_tiny(tmp_path_factory.mktemp(name), kind, **overrides)
+        for name, (kind, overrides) in VARIANTS.items()
+    }
+
+
+def prompts_within(limit: int, seed: int) -> tuple[list[list[int]], list[int], list[int]]:
+    """Prompts of different lengths with shared prefixes and a repeat, their max_new (all within `limit`
+    tokens) and join steps."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(VOCAB) for _ in range(30)]
+    prompts = [[rng.randrange(VOCAB) for _ in range(n)] for n in (3, 17, 33, 50, 8, 41)]
+    prompts += [shared + [rng.randrange(VOCAB) for _ in range(k)] for k in (5, 21, 2)]
+    prompts.append(list(prompts[3]))
+    max_new = [min(rng.randrange(6, 30), limit - len(p) - 1) for p in prompts]
+    return prompts, max_new, [0, 0, 1, 2, 2, 5, 6, 9, 12, 13]
+
+
+def engine_for(model_dir: Path, tmp: Path, **overrides: object) -> LLMEngine:
+    config: dict = dict(
+        model=str(model_dir),
+        dtype="float32",
+        block_size=4,
+        num_kv_blocks=40,
+        max_num_batched_tokens=48,
+        max_num_seqs=6,
+        max_loras=3,
+        max_lora_rank=16,
+        disk_cache_dir=str(tmp / "disk-cache"),
+    )
+    return LLMEngine(EngineConfig(**(config | overrides)))
+
+
+@pytest.mark.parametrize("attention", ["cpu_kernel", "torch"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_greedy_matches_transformers(variant: str, attention: str, model_dirs: dict[str, Path], tmp_path: Path) -> None:
+    model_dir = model_dirs[variant]
+    engine = engine_for(model_dir, tmp_path, attention_backend=attention)
+    prompts, max_new, join = prompts_within(min(engine.max_model_len, 96), seed=7)
+    free0 = engine.block_manager.num_free_blocks
+    assert run_staggered(engine, prompts, max_new, join) == hf_greedy(model_dir, prompts, max_new)
+    assert engine.block_manager.num_free_blocks == free0
+    assert engine.block_manager.num_prefix_hits > 0
+    assert engine.scheduler.num_preemptions > 0  # 40 blocks of 4 tokens for up to 6 sequences
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_logprobs_match_transformers(variant: str, model_dirs: dict[str, Path], tmp_path: Path) -> None:
+    """Every chosen token's logprob equals transformers' fp32 one: what greedy tokens cannot show (Gemma's
+    final logit softcapping keeps the argmax)."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir = model_dirs[variant]
+    engine = engine_for(model_dir, tmp_path)
+    prompts, max_new, _ = prompts_within(min(engine.max_model_len, 96), seed=17)
+    outs = engine.generate(prompts[:4], [SamplingParams(max_new_tokens=n, logprobs=True) for n in max_new[:4]])
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    for prompt, out in zip(prompts[:4], outs, strict=True):
+        chosen, best = teacher_forced(hf, prompt, out.token_ids)
+        torch.testing.assert_close(torch.tensor(out.logprobs), chosen, atol=2e-4, rtol=0)
+        assert torch.equal(chosen, best)
+
+
+@pytest.mark.parametrize("variant", ["qwen3", "phi3", "gemma3"])
+def test_mixed_adapter_batch_matches_peft(variant: str, model_dirs: dict[str, Path], tmp_path: Path) -> None:
+    """Three PEFT adapters (ranks 4, 8, 16; q/v, every projection, o/MLP with rsLoRA) and base rows in one
+    continuous batch; each adapter's greedy tokens equal PEFT's with that adapter alone."""
+    base = model_dirs[variant]
+    specs = PHI3_ADAPTERS if variant == "phi3" else ADAPTERS
+    adapters = {
+        name: make_peft_adapter(base, tmp_path / name, seed=i, **spec) for i, (name, spec) in enumerate(specs.items())
+    }
+    engine = engine_for(base, tmp_path, num_kv_blocks=128)
+    for name, path in adapters.items():
+        engine.adapters.register(name, str(path))
+    rng = random.Random(3)
+    names: list[str | None] = [*adapters, None]
+    work = [
+        (names[i % 4], [rng.randrange(3, VOCAB) for _ in range(rng.randrange(3, 40))], rng.randrange(4, 14), i // 3)
+        for i in range(12)
+    ]
+    ours = run_mixed(engine, work)
+    for who in names:
+        rows = [i for i, w in enumerate(work) if w[0] == who]
+        prompts, max_new = [work[i][1] for i in rows], [work[i][2] for i in rows]
+        ref = peft_greedy(base, adapters[who] if who else None, prompts, max_new)
+        assert [ours[i] for i in rows] == ref, f"adapter {who} differs from PEFT"
+        if who is not None:
+            assert peft_greedy(base, None, prompts, max_new) != ref, f"adapter {who} has no visible effect"
+    assert engine.slots.num_busy == 0
+
+
+def test_fused_targets_split_exactly_and_are_refused_elsewhere(model_dirs: dict[str, Path], tmp_path: Path) -> None:
+    """A qkv_proj / gate_up_proj LoRA becomes one pair per projection: the same A, B's rows split. The same
+    adapter on a model whose checkpoint keeps the projections apart is refused with the reason."""
+    phi3 = model_dirs["phi3"]
+    path = make_peft_adapter(phi3, tmp_path / "a", seed=0, **PHI3_ADAPTERS["all-r8"])
+    args = registry.model_args(json.loads((phi3 / "config.json").read_text()))
+    weights = load_lora(path, "a", args, 16, torch.float32)
+    assert weights.target_modules == list(ALL)
+    q, kv, inter = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim, args.intermediate_size
+    assert [weights.tensors[(0, m)][1].shape[0] for m in ("q_proj", "k_proj", "v_proj")] == [q, kv, kv]
+    assert [weights.tensors[(0, m)][1].shape[0] for m in ("gate_proj", "up_proj")] == [inter, inter]
+    assert weights.tensors[(1, "q_proj")][0] is weights.tensors[(1, "v_proj")][0]
+    llama_args = ModelArgs(**{**args.__dict__, "model_type": "llama", "fused_projections": False})
+    with pytest.raises(AdapterError, match="is a fused projection .* this llama base model has .* apart"):
+        load_lora(path, "a", llama_args, 16, torch.float32)
+
+
+@pytest.mark.requires_avx512_bf16
+@pytest.mark.parametrize("variant", ["qwen3", "phi3-longrope", "gemma3", "phi3"])
+def test_bf16_follows_the_fp32_model(
+    variant: str, model_dirs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bf16 on the CPU layer kernels: the one-call decoder layer runs for Llama-shaped Phi-3 only (never for
+    q/k norms, gelu, extra norms or a partial rotary), and the engine's greedy tokens, scored by transformers
+    in fp32 (teacher forcing), are the fp32 model's top token or within bf16 noise of it."""
+    from transformers import AutoModelForCausalLM
+
+    fused_calls: list[int] = []
+    layer = cpu_kernels.decoder_layer
+
+    def counted(*args: object, **kwargs: object) -> torch.Tensor:
+        fused_calls.append(1)
+        return layer(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(cpu_kernels, "decoder_layer", counted)
+    model_dir = model_dirs[variant]
+    engine = engine_for(model_dir, tmp_path, dtype="bfloat16", layer_backend="cpu_kernel", num_kv_blocks=256)
+    prompts, max_new, _ = prompts_within(min(engine.max_model_len, 96), seed=11)
+    outs = engine.generate(prompts, [SamplingParams(max_new_tokens=n, ignore_eos=True, logprobs=True) for n in max_new])
+    assert bool(fused_calls) == (variant == "phi3")
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    gaps, drifts = [], []
+    for prompt, out in zip(prompts, outs, strict=True):
+        chosen, best = teacher_forced(hf, prompt, out.token_ids)
+        gaps.append(best - chosen)
+        drifts.append((torch.tensor(out.logprobs) - chosen).abs())
+    gap, drift = torch.cat(gaps), torch.cat(drifts)
+    assert float((gap < 1e-4).float().mean()) >= 0.9, gap.topk(3).values  # a lost feature flips far more
+    # bf16 moves a logprob by up to ~0.25 (tests/test_cpu_linear.py); these tiny models stay under 0.04
+    assert gap.max() < 0.5 and drift.max() < 0.25, (gap.topk(3).values, drift.topk(3).values)
+
+
+def write_checkpoint(path: Path, **cfg: object) -> Path:
+    """A config.json and a (valid, one-tensor) safetensors file: a checkpoint of some other architecture."""
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(cfg))
+    save_file({"wte.weight": torch.zeros(4, 4)}, str(path / "model.safetensors"))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("cfg", "named"),
+    [
+        (
+            dict(model_type="gpt2", architectures=["GPT2LMHeadModel"]),
+            "model_type 'gpt2' (architectures GPT2LMHeadModel)",
+        ),
+        (dict(model_type="gemma3", architectures=["Gemma3ForConditionalGeneration"]), "model_type 'gemma3'"),
+        (dict(model_type="llama", architectures=["LlamaForSequenceClassification"]), "LlamaForSequenceClassification"),
+    ],
+)
+def test_unsupported_architectures_fail_at_start_with_the_supported_list(cfg: dict, named: str, tmp_path: Path) -> None:
+    model_dir = write_checkpoint(tmp_path / "m", **cfg)
+    with pytest.raises(registry.UnsupportedModelError) as err:
+        LLMEngine(EngineConfig(model=str(model_dir), dtype="float32"))
+    message = str(err.value)
+    assert named in message and "is not supported" in message
+    for listed in ("llama (LlamaForCausalLM)", "qwen3 (Qwen3ForCausalLM)", "phi3 (Phi3ForCausalLM)"):
+        assert listed in message
+    assert "gemma3_text (Gemma3ForCausalLM)" in message
+
+
+def test_a_sliding_window_caps_the_context_where_the_engine_is_exact(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The paged attention has no window: a Mistral with a 40-token window is served up to 40 tokens (logged),
+    where its windowed attention and full attention agree, and there it equals transformers token for token."""
+    model_dir = save_tiny(tmp_path / "mistral", "mistral", sliding_window=40)
+    with caplog.at_level(logging.WARNING, logger="loraplane_server.models.registry"):
+        engine = engine_for(model_dir, tmp_path)
+    assert engine.max_model_len == 40
+    assert "serving at most 40 tokens of context, the sliding attention window" in caplog.text
+    rng = random.Random(5)
+    prompts = [[rng.randrange(VOCAB) for _ in range(n)] for n in (3, 12, 30, 21, 7)]
+    max_new = [40 - len(p) for p in prompts]  # up to the whole window
+    assert run_staggered(engine, prompts, max_new, [0, 0, 1, 3, 4]) == hf_greedy(model_dir, prompts, max_new)
+    out = engine.generate([prompts[0]], SamplingParams(max_new_tokens=100, ignore_eos=True))[0]
+    assert (len(prompts[0]) + len(out.token_ids), out.finish_reason) == (40, "length")
+
+
+@pytest.mark.parametrize(
+    ("kind", "overrides", "expected"),
+    [
+        ("mistral", dict(sliding_window=None), 1024),
+        ("qwen3", dict(use_sliding_window=True, sliding_window=48, max_window_layers=1), 48),
+        ("qwen3", dict(use_sliding_window=True, sliding_window=48, max_window_layers=3), 1024),  # no window layer
+        ("qwen3", dict(use_sliding_window=False, sliding_window=48), 1024),
+        ("gemma3", {}, 96),
+        ("phi3", dict(sliding_window=200), 200),
+        (
+            "phi3",
+            dict(original_max_position_embeddings=128, rope_scaling=VARIANTS["phi3-longrope"][1]["rope_scaling"]),
+            128,
+        ),
+    ],
+)
+def test_context_limits(kind: str, overrides: dict, expected: int, tmp_path: Path) -> None:
+    model_dir = save_tiny(tmp_path / kind, kind, **overrides)
+    assert registry.max_context(json.loads((model_dir / "config.json").read_text())) == expected
+
+
+@pytest.mark.requires_cpu_kernels
+def test_qwen3_under_an_avx2_build(model_dirs: dict[str, Path]) -> None:
+    """What an AVX2-only CPU runs (fp32, the decode-attention kernel's generic path) still equals transformers."""
+    model_dir = model_dirs["qwen3"]
+    prompts, max_new, _ = prompts_within(96, seed=13)
+    code = (
+        "import json, sys\n"
+        "from loraplane_server.config import EngineConfig\n"
+        "from loraplane_server.engine import LLMEngine\n"
+        "from loraplane_server.layers import cpu_kernels\n"
+        "from loraplane_server.sampling_params import SamplingParams\n"
+        f"engine = LLMEngine(EngineConfig(model={str(model_dir)!r}, block_size=4, num_kv_blocks=256))\n"
+        f"prompts, max_new = {prompts!r}, {max_new!r}\n"
+        "outs = engine.generate(prompts, [SamplingParams(max_new_tokens=n) for n in max_new])\n"
+        "print(json.dumps(dict(isa=cpu_kernels.isa(), dtype=str(engine.dtype), attention=engine.attention_backend,"
+        " tokens=[o.token_ids for o in outs])))\n"
+    )
+    env = {**os.environ, "LORAPLANE_CPU_ISA": "avx2"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=1800)
+    assert done.returncode == 0, done.stderr[-4000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert (report["isa"], report["dtype"], report["attention"]) == ("avx2", "torch.float32", "cpu_kernel")
+    assert report["tokens"] == hf_greedy(model_dir, prompts, max_new)
+
+
+def hub_configs() -> dict[str, dict]:
+    """The shapes of config.json files as published (older transformers' keys: rope_scaling, rope_local_base_freq,
+    sliding_window_pattern, a top-level partial_rotary_factor), trimmed to what the engine reads."""
+    llama = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_hidden_layers=32)
+    gemma = dict(
+        model_type="gemma3_text",
+        architectures=["Gemma3ForCausalLM"],
+        hidden_size=1152,
+        intermediate_size=6912,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        num_hidden_layers=26,
+        head_dim=256,
+        query_pre_attn_scalar=256,
+        max_position_embeddings=32768,
+        rope_theta=1000000,
+        rope_local_base_freq=10000,
+        rope_scaling=None,
+        sliding_window=512,
+        sliding_window_pattern=6,
+        vocab_size=262144,
+    )
+    phi = dict(
+        model_type="phi3",
+        architectures=["Phi3ForCausalLM"],
+        hidden_size=3072,
+        intermediate_size=8192,
+        num_attention_heads=32,
+        num_hidden_layers=32,
+        max_position_embeddings=131072,
+        original_max_position_embeddings=4096,
+        rope_scaling=dict(type="longrope", short_factor=[1.0] * 48, long_factor=[2.0] * 48),
+        sliding_window=262144,
+        vocab_size=32064,
+    )
+    return {
+        "llama-3.1": dict(
+            llama,
+            model_type="llama",
+            num_key_value_heads=8,
+            max_position_embeddings=131072,
+            rope_theta=500000.0,
+            rope_scaling=dict(
+                rope_type="llama3",
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=8192,
+            ),
+        ),
+        "mistral-v0.1": dict(llama, model_type="mistral", max_position_embeddings=32768, sliding_window=4096),
+        "mistral-v0.3": dict(llama, model_type="mistral", max_position_embeddings=32768, sliding_window=None),
+        "qwen2.5": dict(
+            llama, model_type="qwen2", max_position_embeddings=32768, use_sliding_window=False, sliding_window=131072
+        ),
+        "qwen3": dict(llama, model_type="qwen3", head_dim=128, max_position_embeddings=40960, sliding_window=None),
+        "gemma-3-1b": gemma,
+        "gemma-3-4b": dict(gemma, rope_scaling=dict(rope_type="linear", factor=8.0), sliding_window=1024),
+        "phi-3.5-mini": phi,
+        "phi-3-mini-4k": dict(phi, max_position_embeddings=4096, rope_scaling=None, sliding_window=2047),
+        "phi-4-mini": dict(
+            phi,
+            partial_rotary_factor=0.75,
+            rope_scaling=dict(phi["rope_scaling"], short_factor=[1.0] * 36, long_factor=[2.0] * 36),
+        ),
+    }
+
+
+@pytest.mark.parametrize(
+    ("name", "context", "features"),
+    [
+        ("llama-3.1", 131072, dict(rope_theta=500000.0, is_llama_shaped=True)),
+        ("mistral-v0.1", 4096, dict(is_llama_shaped=True)),
+        ("mistral-v0.3", 32768, dict(is_llama_shaped=True)),
+        ("qwen2.5", 32768, dict(qkv_bias=True)),
+        ("qwen3", 40960, dict(head_dim=128, qkv_bias=False)),
+        ("gemma-3-1b", 512, dict(attention_scale=1 / 16, local_rope_theta=10000.0, rope_scaling=None)),
+        ("gemma-3-4b", 1024, dict(rope_theta=1e6, local_rope_scaling=None)),
+        ("phi-3.5-mini", 4096, dict(fused_projections=True, is_llama_shaped=True)),
+        ("phi-3-mini-4k", 2047, dict(fused_projections=True)),
+        ("phi-4-mini", 4096, dict(head_dim=96, rotated_dims=72, is_llama_shaped=False)),
+    ],
+)
+def test_published_config_shapes(name: str, context: int, features: dict) -> None:
+    cfg = hub_configs()[name]
+    args = registry.model_args(cfg)
+    assert registry.max_context(cfg) == context
+    assert {key: getattr(args, key) for key in features} == features
+    if name.startswith("gemma"):
+        assert "".join(kind[0] for kind in args.layer_types)[:12] == "sssssfsssssf"  # type: ignore[attr-defined]
+
+
+def test_an_invalid_config_is_a_clear_error() -> None:
+    cfg = hub_configs()["phi-4-mini"]
+    cfg["rope_scaling"] = hub_configs()["phi-3.5-mini"]["rope_scaling"]  # 48 factors for 36 rotated pairs
+    with pytest.raises(
+        ValueError, match=r"^config.json is not a valid phi3 config: .*short_factor.* length 36, got 48"
+    ):
+        registry.model_args(cfg)
+
+
+@pytest.mark.skipif(not triton_available(), reason="needs triton with CUDA or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("variant", ["qwen3", "gemma3"])
+def test_triton_decode_attention_matches_transformers(
+    variant: str, model_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    """The CUDA decode-attention kernel (run by the Triton interpreter here) on head dims 24 and 32."""
+    model_dir = model_dirs[variant]
+    engine = engine_for(model_dir, tmp_path, attention_backend="triton")
+    assert engine.attention_backend == "triton"
+    prompts, max_new, join = prompts_within(96, seed=19)
+    prompts, max_new, join = prompts[:4], [min(n, 8) for n in max_new[:4]], join[:4]
+    assert run_staggered(engine, prompts, max_new, join) == hf_greedy(model_dir, prompts, max_new)
