@@ -5,13 +5,15 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from e2e.cluster import LocalCluster
+from e2e.cluster import REPO_ROOT, LocalCluster
 from e2e.helm import Helm, find_helm
 from e2e.kubectl import Kubectl
 
@@ -79,3 +81,14 @@ def namespace(kubectl: Kubectl) -> Iterator[str]:
     kubectl("create", "namespace", name)
     yield name
     kubectl("delete", "namespace", name, "--wait=false")
+
+
+@pytest.fixture(scope="session")
+def minio() -> Iterator[Any]:
+    """A real MinIO server on loopback (tests/s3_server.py's MinioServer; skipped, with the command that builds
+    it, when the binary is missing and LORAPLANE_E2E_BUILD is not 1)."""
+    sys.path.insert(0, str(REPO_ROOT / "tests"))
+    from s3_server import MinioServer  # type: ignore[import-not-found]
+
+    with MinioServer() as server:
+        yield server

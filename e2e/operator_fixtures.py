@@ -311,3 +311,30 @@ def complete_ids(pod: dict[str, Any], model: str, prompt_ids: list[int], max_tok
         response = session.post(f"{pod_url(pod)}/v1/completions", json=body, timeout=120)
     assert response.status_code == 200, f"{model} on {pod['metadata']['name']}: {response.status_code} {response.text}"
     return str(response.json()["choices"][0]["text"])
+
+
+# model sources (issue 19)
+
+
+def builtin_model_dir() -> Path:
+    """The built-in model's converted safetensors directory (what the S3 tests upload)."""
+    from loraplane_server.builtin import resolve_model
+
+    return Path(resolve_model("smollm2-135m"))
+
+
+def s3_credentials_secret(name: str, access_key: str, secret_key: str) -> dict[str, Any]:
+    """A Secret with S3 keys under the names spec.credentials.s3 reads by default."""
+    data = {"AWS_ACCESS_KEY_ID": access_key, "AWS_SECRET_ACCESS_KEY": secret_key}
+    return {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": name}, "type": "Opaque", "stringData": data}
+
+
+def s3_model_server(
+    name: str, adapters_dir: Path, model: str, secret: str, endpoint: str, replicas: int
+) -> dict[str, Any]:
+    """The local sample BaseModelServer serving `model` from S3, its keys from `secret`, the store at `endpoint`."""
+    bms = local_server_sample(adapters_dir, replicas)
+    bms["metadata"]["name"] = name
+    bms["spec"]["model"] = model
+    bms["spec"]["credentials"] = {"s3": {"secretName": secret, "endpoint": endpoint, "region": "us-east-1"}}
+    return bms

@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import save
 
-from loraplane_server.lora import sources
-from loraplane_server.lora.sources import AdapterSource, AdapterSourceError, fetch, is_allowed, parse_source
+from loraplane_server import sources
+from loraplane_server.sources import AdapterSource, AdapterSourceError, fetch, is_allowed, parse_source
 
 CONFIG = json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}).encode()
 WEIGHTS = save({"base_model.model.layers.0.self_attn.q_proj.lora_A.weight": np.ones((4, 8), np.float32)})

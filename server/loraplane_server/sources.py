@@ -1,11 +1,13 @@
-"""Adapter sources: parse a URI, check it against an allowlist, fetch the PEFT files into a directory.
+"""Sources of adapters and models: parse a URI, check it against an allowlist, pick the files a load needs.
 
 Kinds: a local directory (or file://), hf://org/repo[@revision][/subfolder] (huggingface_hub, offline from
-its cache when HF_HUB_OFFLINE is set), s3://bucket/prefix (boto3, honours AWS_ENDPOINT_URL) and
-http(s)://... archives (.tar.gz, .tgz, .tar, .zip), unpacked with strict checks. Only safetensors
-weights are ever fetched; a source with only pickle weights (adapter_model.bin) is refused.
+its cache when HF_HUB_OFFLINE is set), s3://bucket/prefix (boto3, honours AWS_ENDPOINT_URL) and, for
+adapters, http(s)://... archives (.tar.gz, .tgz, .tar, .zip), unpacked with strict checks. A `FileSet`
+says which files a load takes (ADAPTER_FILESET, MODEL_FILESET): only safetensors weights, never pickle; a
+source with only pickle weights is refused. model_store.py fetches models through the same parse, file
+selection, clients and error texts; `fetch` below materialises adapters.
 
-One byte budget bounds everything a fetch writes (a downloaded archive and the files taken from it
+One byte budget bounds everything an adapter fetch writes (a downloaded archive and the files taken from it
 together), counted before each chunk is written; decompressed archive data never touches the disk.
 An http(s) source follows at most MAX_REDIRECTS redirects, each checked against the allowlist given.
 """
@@ -13,6 +15,7 @@ An http(s) source follows at most MAX_REDIRECTS redirects, each checked against 
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import gzip
 import http.client
 import io
@@ -49,21 +52,34 @@ _S3_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 _TRUE = {"1", "on", "yes", "true"}
 
 
-class AdapterSourceError(Exception):
-    """An adapter source that cannot be used; the message says what to fix.
+class SourceError(Exception):
+    """A source that cannot be used; the message says what to fix.
 
-    str(error) is for admins and logs (it may name URLs and paths); `public` says the same without them,
-    for clients that may not see the server's sources.
+    str(error) is for admins and logs (it may name URLs and paths, never credentials); `public` says the same
+    without them, for clients that may not see the server's sources.
     """
 
     def __init__(self, message: str, public: str | None = None) -> None:
         super().__init__(message)
-        self.public = public or "the adapter source could not be used; an admin can see why in the adapter list"
+        self.public = public or "the source could not be used; an admin can see why in the server's log"
+
+
+class AdapterSourceError(SourceError):
+    """An adapter source that cannot be used."""
+
+    def __init__(self, message: str, public: str | None = None) -> None:
+        super().__init__(
+            message, public or "the adapter source could not be used; an admin can see why in the adapter list"
+        )
+
+
+class ModelSourceError(SourceError):
+    """A base model source that cannot be used (the server does not start; the message is its reason)."""
 
 
 @dataclass(frozen=True)
-class AdapterSource:
-    """A parsed, validated adapter URI; `uri` is its canonical form (for allowlists and cache keys)."""
+class Source:
+    """A parsed, validated URI; `uri` is its canonical form (for allowlists and cache keys)."""
 
     kind: str  # "local" | "hf" | "s3" | "http"
     uri: str
@@ -76,10 +92,98 @@ class AdapterSource:
     url: str | None = None  # http and https
 
 
+AdapterSource = Source  # the name the adapter code has always used
+
+
+# which files a load takes
+
+
+@dataclass(frozen=True)
+class FileSet:
+    """The files of a source that a load takes (top level only); nothing else is ever fetched."""
+
+    what: str  # "adapter" | "model"
+    names: tuple[str, ...]  # taken by exact name
+    patterns: tuple[str, ...]  # taken by glob (model shards)
+    ignored: tuple[str, ...]  # globs never taken though a pattern matches (Mistral's consolidated.safetensors)
+    required: str  # the config file without which the source is not one
+    weights_glob: str  # at least one file must match
+    pickle_patterns: tuple[str, ...]  # pickle weights: never taken; a source with only these is refused
+    pickle_hint: str
+
+    def wants(self, name: str) -> bool:
+        if any(fnmatch.fnmatchcase(name, p) for p in self.ignored):
+            return False
+        return name in self.names or any(fnmatch.fnmatchcase(name, p) for p in self.patterns)
+
+    def allow_patterns(self, subfolder: str = "") -> list[str]:
+        """huggingface_hub's allow_patterns for these files."""
+        sub = f"{subfolder}/" if subfolder else ""
+        return [sub + n for n in (*self.names, *self.patterns)]
+
+    def ignore_patterns(self, subfolder: str = "") -> list[str]:
+        """huggingface_hub's ignore_patterns: its fnmatch lets "*" match "/" too, so nested files go here."""
+        sub = f"{subfolder}/" if subfolder else ""
+        return [f"{sub}*/*", *(sub + n for n in self.ignored)]
+
+    def error(self, message: str) -> SourceError:
+        return AdapterSourceError(message) if self.what == "adapter" else ModelSourceError(message)
+
+    def check(self, names: set[str], where: str) -> None:
+        """Refuse (with what to fix) a set of top-level file names that a load cannot use."""
+        if self.required not in names:
+            raise self.error(f"{where} has no {self.required} (expected {self.expected()})")
+        if any(fnmatch.fnmatchcase(n, self.weights_glob) and self.wants(n) for n in names):
+            return
+        pickled = sorted(n for n in names if any(fnmatch.fnmatchcase(n, p) for p in self.pickle_patterns))
+        if pickled:
+            shown = ", ".join(pickled[:4])
+            raise self.error(f"{where} has only pickle weights ({shown}), which are never loaded; {self.pickle_hint}")
+        raise self.error(f"{where} has no {self.weights_glob}")
+
+    def expected(self) -> str:
+        return "a PEFT LoRA adapter" if self.what == "adapter" else f"{self.required} and *.safetensors"
+
+
+ADAPTER_FILESET = FileSet(
+    what="adapter",
+    names=ADAPTER_FILES,
+    patterns=(),
+    ignored=(),
+    required=CONFIG_FILE,
+    weights_glob=WEIGHTS_FILE,
+    pickle_patterns=(PICKLE_FILE,),
+    pickle_hint=f"save the adapter as {WEIGHTS_FILE} instead (PeftModel.save_pretrained(..., safe_serialization=True))",
+)
+MODEL_FILESET = FileSet(
+    what="model",
+    names=(
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "tokenizer.model",
+        "vocab.json",
+        "merges.txt",
+        "added_tokens.json",
+        "chat_template.jinja",
+        "chat_template.json",
+        "model.safetensors.index.json",
+    ),
+    patterns=("*.safetensors",),
+    ignored=("consolidated*.safetensors",),  # the same weights again in Mistral's own format
+    required="config.json",
+    weights_glob="*.safetensors",
+    pickle_patterns=("*.bin", "*.pt", "*.pth"),
+    pickle_hint="convert the weights to safetensors (model.save_pretrained(..., safe_serialization=True))",
+)
+
+
 # parse
 
 
-def parse_source(uri: str) -> AdapterSource:
+def parse_source(uri: str) -> Source:
     """Parse a local path, file://, hf://, s3:// or http(s):// archive URI; AdapterSourceError if invalid."""
     uri = uri.strip()
     if not uri:
@@ -101,7 +205,7 @@ def parse_source(uri: str) -> AdapterSource:
     )
 
 
-def _parse_local(uri: str) -> AdapterSource:
+def _parse_local(uri: str) -> Source:
     if uri.lower().startswith("file://"):
         parts = urlsplit(uri)
         if parts.netloc not in ("", "localhost"):
@@ -111,7 +215,7 @@ def _parse_local(uri: str) -> AdapterSource:
         path = Path(uri).expanduser().absolute()
     except RuntimeError as exc:  # ~user of a user this system does not have
         raise AdapterSourceError(f"adapter source {uri!r}: {exc}") from exc
-    return AdapterSource(kind="local", uri=str(path), path=path)
+    return Source(kind="local", uri=str(path), path=path)
 
 
 def _check_segments(text: str, what: str) -> None:
@@ -119,7 +223,7 @@ def _check_segments(text: str, what: str) -> None:
         raise AdapterSourceError(f"{what} {text!r} must not hold '.' or '..' segments or backslashes")
 
 
-def _parse_hf(rest: str) -> AdapterSource:
+def _parse_hf(rest: str) -> Source:
     parts = rest.strip("/").split("/")
     if len(parts) < 2:
         raise AdapterSourceError(f"hf:// sources look like hf://org/repo[@revision][/subfolder], not hf://{rest}")
@@ -132,10 +236,10 @@ def _parse_hf(rest: str) -> AdapterSource:
     if subfolder:
         _check_segments(subfolder, "subfolder")
     uri = f"hf://{repo_id}" + (f"@{revision}" if revision else "") + (f"/{subfolder}" if subfolder else "")
-    return AdapterSource(kind="hf", uri=uri, repo_id=repo_id, revision=revision or None, subfolder=subfolder)
+    return Source(kind="hf", uri=uri, repo_id=repo_id, revision=revision or None, subfolder=subfolder)
 
 
-def _parse_s3(rest: str) -> AdapterSource:
+def _parse_s3(rest: str) -> Source:
     bucket, _, prefix = rest.partition("/")
     prefix = prefix.strip("/")
     if not _S3_BUCKET.match(bucket):
@@ -143,14 +247,14 @@ def _parse_s3(rest: str) -> AdapterSource:
     if prefix:
         _check_segments(prefix, "S3 prefix")
     uri = f"s3://{bucket}/{prefix}" if prefix else f"s3://{bucket}"
-    return AdapterSource(kind="s3", uri=uri, bucket=bucket, prefix=prefix)
+    return Source(kind="s3", uri=uri, bucket=bucket, prefix=prefix)
 
 
-def _parse_http(uri: str) -> AdapterSource:
+def _parse_http(uri: str) -> Source:
     canonical = _canonical_http(uri)
     if not _archive_suffix(urlsplit(canonical).path):
         raise AdapterSourceError(f"URL {uri!r} must name an archive ending in {', '.join(ARCHIVE_SUFFIXES)}")
-    return AdapterSource(kind="http", uri=canonical, url=canonical)
+    return Source(kind="http", uri=canonical, url=canonical)
 
 
 def _canonical_http(uri: str) -> str:
@@ -177,7 +281,7 @@ def _archive_suffix(path: str) -> str | None:
 # allowlist
 
 
-def is_allowed(source: AdapterSource, allow: list[str]) -> bool:
+def is_allowed(source: Source, allow: list[str]) -> bool:
     """Whether an allowlist entry admits the source; an empty list admits nothing.
 
     Entries are URI prefixes ("hf://", "hf://org/", "s3://bucket/", "https://host/"), matched on whole
@@ -187,7 +291,7 @@ def is_allowed(source: AdapterSource, allow: list[str]) -> bool:
     return any(_entry_admits(entry.strip(), source) for entry in allow if entry.strip())
 
 
-def _entry_admits(entry: str, source: AdapterSource) -> bool:
+def _entry_admits(entry: str, source: Source) -> bool:
     if "://" not in entry or entry.lower().startswith("file://"):
         return source.kind == "local" and _local_inside(source, _parse_local(entry).path)
     scheme, _, rest = entry.partition("://")
@@ -199,7 +303,7 @@ def _entry_admits(entry: str, source: AdapterSource) -> bool:
     return source.uri[len(entry)] in ("/@?" if source.kind == "hf" else "/?")
 
 
-def _local_inside(source: AdapterSource, root: Path | None) -> bool:
+def _local_inside(source: Source, root: Path | None) -> bool:
     assert source.path is not None and root is not None
     real_root = Path(os.path.realpath(root))
     paths = [source.path] + [source.path / name for name in (*ADAPTER_FILES, PICKLE_FILE)]
@@ -212,7 +316,7 @@ def _local_inside(source: AdapterSource, root: Path | None) -> bool:
 
 
 def fetch(
-    source: AdapterSource,
+    source: Source,
     dest: Path,
     max_bytes: int = 2 << 30,
     timeout_s: float = 60,
@@ -274,15 +378,7 @@ def _empty_dir(path: Path) -> None:
 
 
 def _require_files(names: set[str], where: str) -> None:
-    if CONFIG_FILE not in names:
-        raise AdapterSourceError(f"{where} has no {CONFIG_FILE} (expected a PEFT LoRA adapter)")
-    if WEIGHTS_FILE not in names and PICKLE_FILE in names:
-        raise AdapterSourceError(
-            f"{where} has only pickle weights ({PICKLE_FILE}), which are never loaded; save the adapter "
-            f"as {WEIGHTS_FILE} instead (PeftModel.save_pretrained(..., safe_serialization=True))"
-        )
-    if WEIGHTS_FILE not in names:
-        raise AdapterSourceError(f"{where} has no {WEIGHTS_FILE}")
+    ADAPTER_FILESET.check(names, where)
 
 
 def _check_total(sizes: list[int], budget: _Budget, where: str) -> None:
@@ -314,7 +410,7 @@ def _copy_local_tree(src: Path, dest: Path, budget: _Budget, where: str) -> None
 # local
 
 
-def _fetch_local(source: AdapterSource, dest: Path, limits: _Limits) -> None:
+def _fetch_local(source: Source, dest: Path, limits: _Limits) -> None:
     assert source.path is not None
     if not source.path.is_dir():
         raise AdapterSourceError(f"adapter directory {source.path} does not exist or is not a directory")
@@ -325,23 +421,36 @@ def _fetch_local(source: AdapterSource, dest: Path, limits: _Limits) -> None:
 # owner cannot point elsewhere, so the allowlist entry that admitted hf://org/repo covers them
 
 
-def _hf_offline() -> bool:
+def hf_offline() -> bool:
+    """HF_HUB_OFFLINE, read now (huggingface_hub reads it once, at its import)."""
     return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in _TRUE
 
 
-def _fetch_hf(source: AdapterSource, dest: Path, limits: _Limits) -> None:
+def hf_endpoint() -> str | None:
+    """HF_ENDPOINT, read now for the same reason; None: the Hub."""
+    return os.environ.get("HF_ENDPOINT", "").strip() or None
+
+
+def hf_token() -> str | None:
+    """HF_TOKEN, read now; None lets huggingface_hub use a token saved by `hf auth login`."""
+    return os.environ.get("HF_TOKEN", "").strip() or None
+
+
+def _fetch_hf(source: Source, dest: Path, limits: _Limits) -> None:
     from huggingface_hub import snapshot_download
 
     assert source.repo_id is not None
-    offline, sub = _hf_offline(), f"{source.subfolder}/" if source.subfolder else ""
+    offline = hf_offline()
     try:
         snapshot = snapshot_download(
             source.repo_id,
             revision=source.revision,
-            allow_patterns=[sub + n for n in ADAPTER_FILES],
+            allow_patterns=ADAPTER_FILESET.allow_patterns(source.subfolder),
             cache_dir=os.environ.get("HF_HUB_CACHE") or None,  # read now, not at huggingface_hub's import
             local_files_only=offline,
             etag_timeout=limits.timeout_s,
+            endpoint=hf_endpoint(),
+            token=hf_token(),
         )
     except Exception as exc:
         hint = (
@@ -357,19 +466,73 @@ def _fetch_hf(source: AdapterSource, dest: Path, limits: _Limits) -> None:
 # s3: botocore follows no redirect out of the configured endpoint (only S3's own region redirects)
 
 
-def _s3_client(timeout_s: float) -> Any:
+def s3_endpoint() -> str | None:
+    """The endpoint the AWS SDK would use for S3 (None: AWS itself), read now."""
+    return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
+
+
+def s3_client(timeout_s: float, fileset: FileSet = ADAPTER_FILESET) -> Any:
+    """A boto3 S3 client; region, credentials and profiles as the AWS SDK reads them."""
     try:
         import boto3
         from botocore.config import Config
     except ImportError as exc:
-        raise AdapterSourceError("s3:// adapter sources need boto3: pip install 'loraplane[s3]'") from exc
-    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
+        raise fileset.error(f"s3:// {fileset.what} sources need boto3: pip install 'loraplane[s3]'") from exc
     config = Config(connect_timeout=timeout_s, read_timeout=timeout_s, retries={"max_attempts": 3})
-    return boto3.client("s3", endpoint_url=endpoint, config=config)
+    return boto3.session.Session().client("s3", endpoint_url=s3_endpoint(), config=config)  # env read now
 
 
-def _fetch_s3(source: AdapterSource, dest: Path, limits: _Limits) -> None:
-    client = _s3_client(limits.timeout_s)
+@dataclass(frozen=True)
+class S3Object:
+    key: str
+    size: int
+    etag: str
+
+
+def list_s3_files(client: Any, source: Source, fileset: FileSet) -> dict[str, S3Object]:
+    """The objects directly under the source's prefix (a nested "sub/" is not looked at), by file name:
+    the ones `fileset` takes, plus its pickle weights (so `fileset.check` can refuse a pickle-only source)."""
+    assert source.bucket is not None
+    prefix = f"{source.prefix}/" if source.prefix else ""
+    found: dict[str, S3Object] = {}
+    pages = client.get_paginator("list_objects_v2").paginate(Bucket=source.bucket, Prefix=prefix, Delimiter="/")
+    for page in pages:
+        for obj in page.get("Contents", []):
+            name = obj["Key"][len(prefix) :]
+            pickled = any(fnmatch.fnmatchcase(name, p) for p in fileset.pickle_patterns)
+            if name and (fileset.wants(name) or pickled):
+                found[name] = S3Object(obj["Key"], int(obj["Size"]), obj["ETag"])
+    return found
+
+
+def s3_reason(exc: Exception, uri: str) -> str:
+    """A botocore error as what to fix; never the credentials, a signature or a presigned URL."""
+    from botocore.exceptions import ClientError, EndpointConnectionError, NoCredentialsError
+
+    if isinstance(exc, NoCredentialsError):
+        return f"{uri}: no S3 credentials found (set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE)"
+    if isinstance(exc, EndpointConnectionError):
+        endpoint = _without_userinfo(s3_endpoint() or "of AWS")
+        return f"{uri}: cannot reach the S3 endpoint {endpoint} (check AWS_ENDPOINT_URL)"
+    if not isinstance(exc, ClientError):
+        return f"{uri}: S3 request failed ({type(exc).__name__})"
+    code = str(exc.response.get("Error", {}).get("Code", ""))
+    if code in ("NoSuchBucket",):
+        return f"{uri}: bucket does not exist at this endpoint"
+    if code in ("AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken", "ExpiredToken"):
+        return f"{uri}: access denied (check the S3 credentials)"
+    return f"{uri}: S3 error {code or 'unknown'}"
+
+
+def _without_userinfo(url: str) -> str:
+    parts = urlsplit(url)
+    if not (parts.username or parts.password):
+        return url
+    return parts._replace(netloc=(parts.hostname or "") + (f":{parts.port}" if parts.port else "")).geturl()
+
+
+def _fetch_s3(source: Source, dest: Path, limits: _Limits) -> None:
+    client = s3_client(limits.timeout_s)
     from botocore.exceptions import BotoCoreError, ClientError
 
     try:
@@ -406,7 +569,7 @@ def _check_bucket(client: Any, bucket: str) -> None:
             raise AdapterSourceError(f"S3 bucket {bucket!r} does not exist at this endpoint") from exc
 
 
-def _download_s3(client: Any, source: AdapterSource, dest: Path, budget: _Budget) -> None:
+def _download_s3(client: Any, source: Source, dest: Path, budget: _Budget) -> None:
     assert source.bucket is not None
     key_of = {n: f"{source.prefix}/{n}" if source.prefix else n for n in (*ADAPTER_FILES, PICKLE_FILE)}
     sizes = {n: s for n in ADAPTER_FILES if (s := _s3_size(client, source.bucket, key_of[n])) is not None}
@@ -423,7 +586,7 @@ def _download_s3(client: Any, source: AdapterSource, dest: Path, budget: _Budget
 # http
 
 
-def _fetch_http(source: AdapterSource, dest: Path, limits: _Limits) -> None:
+def _fetch_http(source: Source, dest: Path, limits: _Limits) -> None:
     assert source.url is not None
     archive = dest / f".download{_archive_suffix(urlsplit(source.url).path)}"
     try:
@@ -475,7 +638,7 @@ def _is_allowed_url(url: str, allow: tuple[str, ...]) -> bool:
         canonical = _canonical_http(url)
     except AdapterSourceError:
         return False
-    return is_allowed(AdapterSource(kind="http", uri=canonical, url=canonical), list(allow))
+    return is_allowed(Source(kind="http", uri=canonical, url=canonical), list(allow))
 
 
 def _download(url: str, dest: Path, limits: _Limits) -> None:
