@@ -228,6 +228,21 @@ def test_s3_errors_say_what_to_fix(
     assert not (cache / "s3" / "models" / "errs%2Fgood").exists()
 
 
+GPT2_CONFIG = json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}).encode()
+
+
+def test_s3_unsupported_architecture_fails_before_the_shards_download(
+    s3_env: MinioServer, tiny_model: Path, tmp_path: Path
+) -> None:
+    s3_env.upload_dir(tiny_model, "models", "gpt2")
+    s3_env.client().put_object(Bucket="models", Key="gpt2/config.json", Body=GPT2_CONFIG)
+    gets = s3_env.get_object_count()
+    with pytest.raises(ModelSourceError, match=r"config.json: model_type 'gpt2' .*not supported; supported .*qwen3"):
+        resolve("s3://models/gpt2", tmp_path / "cache")
+    assert s3_env.get_object_count() - gets == 1  # config.json alone
+    assert not list((tmp_path / "cache").rglob("*.safetensors*"))
+
+
 def test_s3_corrupt_shard_is_never_used(s3_env: MinioServer, tiny_model: Path, tmp_path: Path) -> None:
     s3_env.upload_dir(tiny_model, "models", "corrupt")
     s3 = s3_env.client()
@@ -334,6 +349,7 @@ def hub(monkeypatch: pytest.MonkeyPatch, tiny_model: Path) -> HubServer:
         repo.add_commit({**files, "config.json": json.dumps({**config, "note": "v1"}).encode()}, ("v1",))
         server.add_repo("org/private", token="hf_secret_token_value").add_commit(files)
         server.add_repo("org/pickled").add_commit({"config.json": files["config.json"], "pytorch_model.bin": b"p"})
+        server.add_repo("org/gpt2").add_commit({**files, "config.json": GPT2_CONFIG})
         yield server
 
 
@@ -372,6 +388,12 @@ def test_hf_errors_say_what_to_fix(hub: HubServer, tmp_path: Path, monkeypatch: 
     monkeypatch.setenv("HF_ENDPOINT", DEAD_ENDPOINT)
     with pytest.raises(ModelSourceError, match=r"^hf://org/tiny: cannot reach the Hub at http://127.0.0.1:9"):
         resolve("hf://org/tiny", cache)
+
+
+def test_hf_unsupported_architecture_fails_before_the_shards_download(hub: HubServer, tmp_path: Path) -> None:
+    with pytest.raises(ModelSourceError, match=r"config.json: model_type 'gpt2' .*not supported; supported .*qwen3"):
+        resolve("hf://org/gpt2", tmp_path / "cache")
+    assert hub.count("GET", r"/resolve/.*\.safetensors") == 0
 
 
 def add_to_hub_cache(hub_dir: Path, repo_id: str, commit: str, files: dict[str, bytes], ref: str = "main") -> None:

@@ -259,6 +259,12 @@ def _check_config(path: Path) -> None:
         raise ModelSourceError(f"config.json: not valid JSON ({exc})") from exc
     if not isinstance(config, dict) or not config.get("model_type"):
         raise ModelSourceError("config.json: no model_type (expected a Hugging Face transformers model config)")
+    from loraplane_server.models.registry import UnsupportedModelError, family_of
+
+    try:
+        family_of(config)
+    except UnsupportedModelError as exc:
+        raise ModelSourceError(f"config.json: {exc}") from exc
 
 
 def _shard_keys(path: Path) -> set[str]:
@@ -298,6 +304,7 @@ def _resolve_hf(source: Source, hub: Path, offline: bool, progress: Progress) ->
     key = f"{source.repo_id.replace('/', '--')}@{source.revision or 'main'}"
     lock = hub / ".locks" / "loraplane" / f"{key}.lock"
     with contextlib.nullcontext() if offline else _locked(lock, progress):
+        _check_hf_config(source, hub, offline, progress)
         try:
             snapshot = snapshot_download(
                 source.repo_id,
@@ -320,6 +327,31 @@ def _resolve_hf(source: Source, hub: Path, offline: bool, progress: Progress) ->
     progress.bytes_done, progress.bytes_total = size, size
     verify(model_dir, progress)
     return model_dir
+
+
+def _check_hf_config(source: Source, hub: Path, offline: bool, progress: Progress) -> None:
+    """Fetch config.json alone first (into the same cache), so an architecture the engine lacks fails before
+    gigabytes of shards download; fetch errors are left to snapshot_download, which names them."""
+    from huggingface_hub import hf_hub_download, try_to_load_from_cache
+
+    name = f"{source.subfolder}/config.json" if source.subfolder else "config.json"
+    cached = try_to_load_from_cache(source.repo_id or "", name, cache_dir=str(hub), revision=source.revision)
+    try:
+        path = hf_hub_download(
+            source.repo_id or "",
+            name,
+            revision=source.revision,
+            cache_dir=str(hub),
+            local_files_only=offline,
+            endpoint=hf_endpoint(),
+            token=hf_token(),
+            etag_timeout=_TIMEOUT_S,
+        )
+    except Exception:  # noqa: BLE001 - reported by snapshot_download's attempt, with its reason
+        return
+    if not isinstance(cached, str):
+        progress.advance(Path(path).stat().st_size)  # fetched now, outside snapshot_download's bar
+    _check_config(Path(path))
 
 
 def _hub_bar(progress: Progress) -> type:
@@ -457,12 +489,13 @@ def _download_s3(client: Any, source: Source, objects: dict[str, S3Object], entr
     started = _forget_changed(partial, objects)
     started.update(_link_unchanged(entry, partial, objects))
     progress.start(sum(o.size for o in objects.values()), _bytes_present(partial, objects))
-    for name, obj in sorted(objects.items()):
-        if (partial / name).is_file():
-            continue  # whole, from the same ETag
-        started[name] = obj.etag
-        _write_json(partial / _STARTED, started)
-        _download_object(client, source.bucket or "", obj, partial / name, progress)
+    for name, obj in sorted(objects.items(), key=lambda item: item[0] != "config.json"):
+        if not (partial / name).is_file():  # else whole, from the same ETag
+            started[name] = obj.etag
+            _write_json(partial / _STARTED, started)
+            _download_object(client, source.bucket or "", obj, partial / name, progress)
+        if name == "config.json":
+            _check_config(partial / name)  # an architecture the engine lacks fails before the shards download
     verify(partial, progress)
     (partial / _STARTED).unlink(missing_ok=True)
     _write_json(partial / MANIFEST, {"source": source.uri, "files": _manifest_of(objects)})

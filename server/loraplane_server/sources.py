@@ -187,9 +187,9 @@ def parse_source(uri: str) -> Source:
     """Parse a local path, file://, hf://, s3:// or http(s):// archive URI; AdapterSourceError if invalid."""
     uri = uri.strip()
     if not uri:
-        raise AdapterSourceError("empty adapter source")
+        raise AdapterSourceError("empty source")
     if any(ord(c) < 0x20 or ord(c) == 0x7F for c in uri):  # no path or URL holds them; a NUL breaks every syscall
-        raise AdapterSourceError(f"adapter source {uri!r} contains control characters")
+        raise AdapterSourceError(f"source {uri!r} contains control characters")
     scheme = uri.split("://", 1)[0].lower() if "://" in uri else ""
     if scheme in ("", "file"):
         return _parse_local(uri)
@@ -200,7 +200,7 @@ def parse_source(uri: str) -> Source:
     if scheme in ("http", "https"):
         return _parse_http(uri)
     raise AdapterSourceError(
-        f"unsupported adapter source scheme {scheme!r} in {uri!r}; use a local path, file://, hf://org/repo, "
+        f"unsupported source scheme {scheme!r} in {uri!r}; use a local path, file://, hf://org/repo, "
         "s3://bucket/prefix or an http(s):// .tar.gz/.tgz/.tar/.zip archive"
     )
 
