@@ -289,3 +289,44 @@ def test_remote_adapters_go_through_the_disk_cache(tiny_llama_dir: Path, good_ad
         assert sum(r["tier"] == "disk" for r in rows.values()) <= 4
     finally:
         server.shutdown()
+
+
+def test_failed_loads_say_whether_a_retry_may_help(tiny_llama_dir: Path, good_adapter: Path, tmp_path: Path) -> None:
+    """A failed row's error_transient tells the operator what to do: a missing path, a broken adapter or a 404
+    can only be fixed at the source (False: fail at once); a 503 or no answer may pass (True: back off, retry)."""
+    import http.server
+    import socket
+    import threading
+
+    class Store(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - the standard library's name
+            self.send_error(503 if "busy" in self.path else 404)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Store)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    cases = {
+        "missing": (str(tmp_path / "nowhere"), False),
+        "broken": (str(corrupt("shape", good_adapter, tmp_path / "broken")), False),
+        "gone": (f"{url}/gone.tar.gz", False),
+        "busy": (f"{url}/busy.tar.gz", True),
+        "unreachable": (f"http://127.0.0.1:{closed}/a.tar.gz", True),
+    }
+    try:
+        engine = new_engine(tiny_llama_dir, tmp_path)
+        for name, (source, _) in cases.items():
+            engine.adapters.register(name, source)
+            engine.prewarm(name, "host")
+        run_all(engine)
+        rows = {r["id"]: r for r in engine.adapter_residency()}
+        for name, (_, transient) in cases.items():
+            assert rows[name]["state"] == "failed" and rows[name]["last_error"], (name, rows[name])
+            assert rows[name]["error_transient"] is transient, (name, rows[name]["last_error"])
+    finally:
+        server.shutdown()

@@ -21,7 +21,7 @@ from loraplane_server.config import EngineConfig
 from loraplane_server.detokenizer import IncrementalText
 from loraplane_server.layers import cpu_kernels, triton_attention
 from loraplane_server.lora.disk_cache import DiskCache
-from loraplane_server.lora.manager import AdapterManager
+from loraplane_server.lora.manager import AdapterManager, AdapterState
 from loraplane_server.lora.slot_table import SlotTable
 from loraplane_server.lora.slots import LoRASlots
 from loraplane_server.lora.weights import AdapterError
@@ -115,6 +115,7 @@ class LLMEngine:
             layer_kernels=self.layer_backend == "cpu_kernel",
         )
         self._device_prewarm: set[str] = set()
+        self._tier_goals: dict[str, str] = {}  # adapter -> the exact tier set_tier asked for, until reached
         self._errors: dict[str, str] = {}
         phase("loading the tokenizer")
         self.tokenizer = _load_tokenizer(self.model_dir)
@@ -282,6 +283,7 @@ class LLMEngine:
                 if needs_load:
                     self.runner.lora_slots.load(slot, self.adapters.weights(adapter_id))
                 self._device_prewarm.discard(adapter_id)
+        self._advance_tier_goals()
         return outputs
 
     def _load_slots(self, slot_loads: list[tuple[int, str]]) -> list[RequestOutput]:
@@ -342,7 +344,54 @@ class LLMEngine:
             self.runner.lora_slots.clear(slot)
         self.slots.unpin(adapter_id)  # also when it never reached a slot: a stale pin would count against the limit
         self._device_prewarm.discard(adapter_id)
+        self._tier_goals.pop(adapter_id, None)
         return self.adapters.unregister(adapter_id)
+
+    # exact tiers
+    def set_tier(self, adapter_id: str, tier: str) -> dict:
+        """Move a known adapter to exactly `tier` (device | host | disk) and return its residency row.
+
+        Promotion loads it as prewarm does. Demotion frees: the device slot at once, or once the running
+        requests that use it finish (the row's tier stays "device" meanwhile, "target_tier" says the goal);
+        to disk also the host copy. Demoting below device clears a pin. Later requests may promote it again.
+        AdapterError for an unknown adapter, ValueError for another tier."""
+        if tier not in ("device", "host", "disk"):
+            raise ValueError(f"tier {tier!r}: expected device, host or disk")
+        if self.adapters.lookup(adapter_id) is None:
+            raise AdapterError(f"unknown adapter {adapter_id!r}")
+        self._tier_goals[adapter_id] = tier
+        if tier == "device":
+            self.prewarm(adapter_id, "device")
+        else:
+            self._device_prewarm.discard(adapter_id)
+            self.adapters.set_pinned(adapter_id, False)
+            self.slots.unpin(adapter_id)
+        self._advance_tier_goal(adapter_id, tier)
+        return next(r for r in self.adapter_residency() if r["id"] == adapter_id)
+
+    def _advance_tier_goals(self) -> None:
+        for adapter_id, tier in list(self._tier_goals.items()):
+            rec = self.adapters.records.get(adapter_id)
+            if rec is None or rec.state == AdapterState.FAILED:
+                del self._tier_goals[adapter_id]  # its load failed: the row's state and last_error say why
+            else:
+                self._advance_tier_goal(adapter_id, tier)
+
+    def _advance_tier_goal(self, adapter_id: str, tier: str) -> None:
+        if self._reach_tier(adapter_id, tier):
+            del self._tier_goals[adapter_id]
+
+    def _reach_tier(self, adapter_id: str, tier: str) -> bool:
+        """One move towards `tier`; True once the adapter is there."""
+        slot = self.slots.lookup(adapter_id)
+        if tier == "device":
+            return slot is not None
+        if slot is not None:
+            if not self.slots.evict(adapter_id):
+                return False  # running requests use the slot: freed on a later step, after they finish
+            self.runner.lora_slots.clear(slot)
+            self.adapters.stats.evictions["device"] += 1
+        return self.adapters.settle(adapter_id, tier)
 
     def adapter_residency(self) -> list[dict]:
         """Every known adapter: tier, state, size, rank, errors, hits."""
@@ -361,10 +410,12 @@ class LLMEngine:
                     "target_modules": rec.target_modules,
                     "pinned": rec.pinned,
                     "last_error": rec.last_error,
+                    "error_transient": rec.error_transient,  # a failed load: may trying again later succeed
                     "hits": rec.hits,
                     "loads": rec.loads,
                     "load_seconds": rec.load_seconds,
                     "running": 0 if slot is None else self.slots.refs[slot],
+                    "target_tier": self._tier_goals.get(rec.adapter_id),
                 }
             )
         return rows

@@ -59,17 +59,23 @@ class SourceError(Exception):
     without them, for clients that may not see the server's sources.
     """
 
-    def __init__(self, message: str, public: str | None = None) -> None:
+    def __init__(self, message: str, public: str | None = None, transient: bool = False) -> None:
         super().__init__(message)
         self.public = public or "the source could not be used; an admin can see why in the server's log"
+        # True when trying again later may succeed (a connection failure, a timeout, a 5xx or 429 from the
+        # store); False when only a change of the source or of the server's settings can (missing, refused,
+        # malformed): the operator retries the first kind with backoff and fails the second at once
+        self.transient = transient
 
 
 class AdapterSourceError(SourceError):
     """An adapter source that cannot be used."""
 
-    def __init__(self, message: str, public: str | None = None) -> None:
+    def __init__(self, message: str, public: str | None = None, transient: bool = False) -> None:
         super().__init__(
-            message, public or "the adapter source could not be used; an admin can see why in the adapter list"
+            message,
+            public or "the adapter source could not be used; an admin can see why in the adapter list",
+            transient,
         )
 
 
@@ -459,8 +465,28 @@ def _fetch_hf(source: Source, dest: Path, limits: _Limits) -> None:
             if offline
             else "check the repo id, the revision, network access, and HF_TOKEN for private or gated repos"
         )
-        raise AdapterSourceError(f"cannot fetch {source.uri}: {type(exc).__name__}: {exc}; {hint}") from exc
+        raise AdapterSourceError(
+            f"cannot fetch {source.uri}: {type(exc).__name__}: {exc}; {hint}", transient=_hf_transient(exc)
+        ) from exc
     _copy_local_tree(Path(str(snapshot)) / source.subfolder, dest, limits.budget, source.uri)
+
+
+def _hf_transient(exc: Exception) -> bool:
+    """Whether a huggingface_hub failure may pass by itself: no answer, a timeout, a 5xx or 429."""
+    from huggingface_hub import errors
+
+    if isinstance(exc, (errors.RepositoryNotFoundError, errors.RevisionNotFoundError, errors.GatedRepoError)):
+        return False
+    if isinstance(exc, errors.EntryNotFoundError) or (hf_offline() and isinstance(exc, errors.LocalEntryNotFoundError)):
+        return False
+    response = getattr(exc, "response", None)
+    if response is not None and getattr(response, "status_code", None) is not None:
+        return _transient_status(int(response.status_code))
+    return True  # no answer from the Hub (connection, timeout)
+
+
+def _transient_status(status: int) -> bool:
+    return status >= 500 or status in (408, 429)
 
 
 # s3: botocore follows no redirect out of the configured endpoint (only S3's own region redirects)
@@ -539,10 +565,16 @@ def _fetch_s3(source: Source, dest: Path, limits: _Limits) -> None:
         _download_s3(client, source, dest, limits.budget)
     except ClientError as exc:
         code = exc.response.get("Error", {}).get("Code", "")
-        raise AdapterSourceError(f"cannot fetch {source.uri}: S3 error {code}: {exc}") from exc
-    except BotoCoreError as exc:
+        status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
         raise AdapterSourceError(
-            f"cannot fetch {source.uri}: {exc}; check AWS credentials, and AWS_ENDPOINT_URL for S3-compatible stores"
+            f"cannot fetch {source.uri}: S3 error {code}: {exc}", transient=_transient_status(status)
+        ) from exc
+    except BotoCoreError as exc:
+        from botocore.exceptions import NoCredentialsError
+
+        raise AdapterSourceError(
+            f"cannot fetch {source.uri}: {exc}; check AWS credentials, and AWS_ENDPOINT_URL for S3-compatible stores",
+            transient=not isinstance(exc, NoCredentialsError),
         ) from exc
 
 
@@ -652,9 +684,11 @@ def _download(url: str, dest: Path, limits: _Limits) -> None:
                 budget.check(int(length), f"{url} is {length} bytes, more than the {budget.left} allowed")
             _copy_stream(resp, dest, budget, url)
     except urllib.error.HTTPError as exc:
-        raise AdapterSourceError(f"cannot download {url}: HTTP {exc.code} {exc.reason}") from exc
+        raise AdapterSourceError(
+            f"cannot download {url}: HTTP {exc.code} {exc.reason}", transient=_transient_status(exc.code)
+        ) from exc
     except (urllib.error.URLError, TimeoutError, OSError, http.client.HTTPException) as exc:
-        raise AdapterSourceError(f"cannot download {url}: {type(exc).__name__}: {exc}") from exc
+        raise AdapterSourceError(f"cannot download {url}: {type(exc).__name__}: {exc}", transient=True) from exc
 
 
 # archives

@@ -1,4 +1,5 @@
-"""Adapter admin operations, each run on the engine thread: register, prewarm, wait, unload, describe."""
+"""Adapter admin operations, each run on the engine thread: register, prewarm, set an exact tier, wait, unload,
+describe."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from loraplane_server.lora.slot_table import PinLimitError
 from loraplane_server.lora.weights import AdapterError
 
 _TIER_RANK = {"device": 0, "host": 1, "disk": 2, "source": 3}
+EXACT_TIERS = ("device", "host", "disk")  # what POST /v1/adapters/{id}/tier accepts
 
 
 async def rows(state: ServerState) -> list[dict]:
@@ -64,6 +66,19 @@ async def prewarm(state: ServerState, adapter_id: str, tier: str, pinned: bool |
         raise ApiError(409, str(exc), param="pinned", code="pin_limit") from exc
     except ValueError as exc:
         raise ApiError(400, str(exc), code="invalid_adapter") from exc
+
+
+async def set_tier(state: ServerState, adapter_id: str, tier: str | None) -> dict:
+    """Move an adapter to exactly `tier` (promote or demote); its row, with "target_tier" until reached."""
+    if tier not in EXACT_TIERS:
+        raise ApiError(
+            400, f"tier {tier!r}: expected one of {', '.join(EXACT_TIERS)}", param="tier", code="invalid_tier"
+        )
+    engine, _ = state.require_engine()
+    try:
+        return await state.call(lambda: engine.set_tier(adapter_id, tier))
+    except AdapterError as exc:
+        raise ApiError(404, str(exc), code="adapter_not_found") from exc
 
 
 async def wait_for(state: ServerState, adapter_id: str, tier: str, timeout_s: float) -> dict:

@@ -26,6 +26,14 @@ class AdapterCreate(BaseModel):
     timeout_s: float = Field(default=60.0, gt=0.0, le=600.0, description="how long wait may take")
 
 
+class AdapterTierSet(BaseModel):
+    """POST /v1/adapters/{id}/tier: the exact tier (checked by the route, so that a bad one is a 400)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tier: str | None = Field(default=None, max_length=64, description="device, host or disk: exactly this tier")
+
+
 class LoadLoraAdapterRequest(BaseModel):
     lora_name: str = Field(min_length=1, max_length=1024)
     lora_path: str = Field(min_length=1, max_length=2048)

@@ -1,6 +1,7 @@
-"""Adapter admin: /v1/adapters (ours), /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's), and a
-debug view of the engine. Every route here needs the admin token when one is set: the rows carry
-adapter sources (bucket paths, URLs) that are not for API clients, who see adapter ids in /v1/models."""
+"""Adapter admin: /v1/adapters and /v1/adapters/{id}/tier (ours), /v1/load_lora_adapter and
+/v1/unload_lora_adapter (vLLM's), and a debug view of the engine. Every route here needs the admin token when
+one is set: the rows carry adapter sources (bucket paths, URLs) that are not for API clients, who see adapter
+ids in /v1/models."""
 
 from __future__ import annotations
 
@@ -9,7 +10,12 @@ from fastapi.responses import PlainTextResponse
 
 from loraplane_server.http import adapter_admin
 from loraplane_server.http.errors import ApiError
-from loraplane_server.http.protocol_admin import AdapterCreate, LoadLoraAdapterRequest, UnloadLoraAdapterRequest
+from loraplane_server.http.protocol_admin import (
+    AdapterCreate,
+    AdapterTierSet,
+    LoadLoraAdapterRequest,
+    UnloadLoraAdapterRequest,
+)
 from loraplane_server.http.security import check_adapter_id, require_admin
 from loraplane_server.http.state import get_state
 
@@ -44,6 +50,13 @@ async def create_adapter(body: AdapterCreate, request: Request) -> dict:
     if body.wait:
         return await adapter_admin.wait_for(state, adapter_id, body.tier, body.timeout_s)
     return await adapter_admin.row(state, adapter_id)
+
+
+@router.post("/v1/adapters/{adapter_id}/tier", dependencies=admin)
+async def set_adapter_tier(adapter_id: str, body: AdapterTierSet, request: Request) -> dict:
+    """Move a known adapter to exactly this tier: promote (load) or demote (free its device slot, once no
+    running request uses it, and for disk its host memory too). Clears a pin below device. 404 if unknown."""
+    return await adapter_admin.set_tier(get_state(request), check_adapter_id(adapter_id, "adapter_id"), body.tier)
 
 
 @router.delete("/v1/adapters/{adapter_id}", dependencies=admin)

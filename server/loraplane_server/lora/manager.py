@@ -44,6 +44,7 @@ class AdapterRecord:
     size_bytes: int | None = None
     target_modules: list[str] = field(default_factory=list)
     last_error: str | None = None
+    error_transient: bool | None = None  # with last_error: whether trying again later may succeed
     hits: int = 0
     loads: int = 0
     pinned: bool = False
@@ -167,20 +168,25 @@ class AdapterManager:
     def _load(self, adapter_id: str, tier: str) -> None:
         start = time.monotonic()
         error: str | None = None
+        transient: bool | None = None
         try:
             if tier == "disk":
                 self._materialise(adapter_id)
             else:
                 self._put_host(adapter_id, self._read_weights(adapter_id))
-        except (AdapterError, AdapterSourceError, OSError, ValueError) as exc:
-            error = str(exc)
+        except AdapterSourceError as exc:
+            error, transient = str(exc), exc.transient
+        except OSError as exc:  # the server's own disk (full, I/O): may pass
+            error, transient = str(exc), True
+        except (AdapterError, ValueError) as exc:  # the adapter itself: only a new adapter helps
+            error, transient = str(exc), False
         except Exception as exc:  # noqa: BLE001 - a hostile adapter must not kill the loader
-            error = f"{type(exc).__name__}: {exc}"
+            error, transient = f"{type(exc).__name__}: {exc}", False
         with self._lock:
             rec = self.records.get(adapter_id)
             if rec is not None:
                 rec.state = AdapterState.FAILED if error else AdapterState.READY
-                rec.last_error = error
+                rec.last_error, rec.error_transient = error, transient
                 rec.load_seconds = time.monotonic() - start
                 if not error:
                     rec.loads += 1
@@ -285,6 +291,28 @@ class AdapterManager:
             elif tier == "disk" and self.tier_of(adapter_id) == "source":
                 self._start_load(rec, "disk")
         return rec
+
+    def settle(self, adapter_id: str, tier: str) -> bool:
+        """Move an adapter that holds no device slot to exactly `tier`; True once it is there. host: loaded
+        into host memory if missing; disk: the host copy dropped, fetched to the disk cache if missing."""
+        rec = self.lookup(adapter_id)
+        if rec is None:
+            raise AdapterError(f"unknown adapter {adapter_id!r}")
+        if tier not in ("host", "disk"):
+            raise ValueError(f"tier {tier!r}: expected host or disk")
+        with self._lock:
+            if rec.state == AdapterState.LOADING:
+                return False  # a load in flight would put it back into host memory: act once it is done
+            if tier == "host" and adapter_id not in self.host:
+                self._start_load(rec, "host")
+                return False
+            if tier == "disk" and adapter_id in self.host:
+                self._forget_host(adapter_id)
+                self.stats.evictions["host"] += 1
+            if tier == "disk" and self.tier_of(adapter_id) == "source":
+                self._start_load(rec, "disk")  # evicted from the disk cache too: fetch it back
+                return False
+            return True
 
     def set_pinned(self, adapter_id: str, pinned: bool) -> None:
         with self._lock:
