@@ -107,7 +107,28 @@ def test_schema_is_structural(kind):
             keys = node["x-kubernetes-list-map-keys"]
             assert set(keys) <= set(node["items"].get("required", [])), path
         assert "description" in node or path.count(".") > 1 or path in ("", ".apiVersion", ".kind", ".metadata")
-    assert root["properties"]["metadata"] == {"type": "object"}
+    # the API server allows only name restrictions under metadata (not even a description)
+    assert set(root["properties"]["metadata"]) <= {"type", "properties"}
+    assert set(root["properties"]["metadata"].get("properties") or {}) <= {"name"}
+
+
+def properties(node: dict, path: str = ""):
+    """Every named property (what kubectl explain lists), with its path."""
+    for name, child in (node.get("properties") or {}).items():
+        yield f"{path}.{name}", child
+        yield from properties(child, f"{path}.{name}")
+    for key, mark in (("items", "[]"), ("additionalProperties", "{}")):
+        if isinstance(node.get(key), dict):
+            yield from properties(node[key], path + mark)
+
+
+@pytest.mark.parametrize("kind", CRDS)
+def test_every_property_has_a_description(kind):
+    """Issue 21: kubectl explain had nothing for nine BaseModelServer fields (env, tolerations, min/max replicas)."""
+    documented = [(p, node) for p, node in properties(schema_of(kind)) if not p.startswith(".metadata")]
+    missing = [path for path, node in documented if not str(node.get("description", "")).strip()]
+    assert missing == [], f"{kind}: no description for {missing}"
+    assert len(list(properties(schema_of(kind)))) > 30
 
 
 @pytest.mark.parametrize("kind", CRDS)
@@ -167,7 +188,6 @@ def test_defaulting_fills_what_the_operator_relies_on():
 @pytest.mark.parametrize(
     ("kind", "patch"),
     [
-        ("LoRAAdapter", {"prewarm": {"tier": "gpu"}}),
         ("LoRAAdapter", {"prewarm": {"tier": "host", "replicas": 0}}),
         ("LoRAAdapter", {"adapterId": "-bad"}),
         ("LoRAAdapter", {"baseModelServer": "Not_A_Name"}),
@@ -222,6 +242,25 @@ def test_model_columns():
     assert paths["Model"] == (".spec.model", 0)
     assert paths["Model-Status"] == (".status.model.phase", 0)
     assert paths["Downloaded"] == (".status.model.progress", 1)
+
+
+def test_wide_columns_show_what_is_in_force_and_where():
+    """-o wide: AUTOSCALING from the status (off when disabled, not the defaulted kind); PODS: pod:tier."""
+    (bms_version,) = load("BaseModelServer")["spec"]["versions"]
+    bms_cols = {col["name"]: col for col in bms_version["additionalPrinterColumns"]}
+    assert (bms_cols["Autoscaling"]["jsonPath"], bms_cols["Autoscaling"]["priority"]) == (".status.autoscaling", 1)
+    assert schema_at(schema_of("BaseModelServer"), ".status.autoscaling")["enum"] == ["off", "hpa", "keda"]
+    (lora_version,) = load("LoRAAdapter")["spec"]["versions"]
+    lora_cols = {col["name"]: col for col in lora_version["additionalPrinterColumns"]}
+    assert (lora_cols["Pods"]["jsonPath"], lora_cols["Pods"]["priority"]) == (".status.pods", 1)
+    assert "pod:tier" in lora_cols["Pods"]["description"]
+
+
+def test_retry_fields_in_the_adapter_status():
+    status = schema_of("LoRAAdapter")["properties"]["status"]["properties"]
+    retry = status["observedRetry"]
+    assert retry["type"] == "string" and "loraplane.dev/retry" in retry["description"]
+    assert (status["attempts"]["minimum"], status["attempts"]["maximum"]) == (0, 5)
 
 
 def test_scale_subresource_paths_exist():
@@ -315,12 +354,36 @@ def test_cel_prewarm_replicas_needs_a_tier():
     assert "prewarm.replicas" in message
 
 
-def test_cel_long_names_need_an_adapter_id():
-    long = lora()
-    long["metadata"]["name"] = "a" * 200
-    assert violations("LoRAAdapter", long)
-    long["spec"]["adapterId"] = "short"
-    assert violations("LoRAAdapter", long) == []
+def test_names_fit_an_adapter_id():
+    """The adapter id defaults to the name (at most 128 characters); metadata.name is bounded in the schema,
+    the only metadata restriction the API server allows (a root-level CEL rule would add a second line to
+    every rejection)."""
+    long = lora(source="/a")
+    long["metadata"]["name"] = "a" * 129
+    with pytest.raises(jsonschema.ValidationError):
+        validate("LoRAAdapter", long)
+    long["metadata"]["name"] = "a" * 128
+    validate("LoRAAdapter", long)
+
+
+@pytest.mark.parametrize(
+    ("spec", "expected"),
+    [
+        ({"prewarm": {"tier": "gpu"}}, "prewarm.tier must be one of device, host, disk or none"),
+        ({"baseModelServer": None}, "spec.baseModelServer is required: the name of the BaseModelServer"),
+        ({"source": None}, "spec.source is required: where the server reads the adapter"),
+    ],
+)
+def test_adapter_mistakes_get_one_clear_line(spec, expected):
+    """Issue 21: a required or enum error stops the API server's CEL rules and adds a second line ("some
+    validation rules were not checked"), so the LoRAAdapter says these with CEL rules, one line each."""
+    obj = lora(**spec)
+    obj["spec"] = {k: v for k, v in obj["spec"].items() if v is not None}
+    (message,) = violations("LoRAAdapter", obj)
+    assert expected in message
+    spec = schema_of("LoRAAdapter")["properties"]["spec"]
+    blocking = [p for p, node in walk(spec) if node.get("required") or node.get("enum")]
+    assert blocking == [], "a required or enum in the LoRAAdapter spec brings the second line back"
 
 
 def test_cel_immutable_server_and_adapter_id():
@@ -342,15 +405,21 @@ def test_cel_autoscaling_bounds():
     bad = {"enabled": True, "minReplicas": 5, "maxReplicas": 3}
     assert any("must not exceed" in m for m in violations("BaseModelServer", bms(autoscaling=bad)))
     defaulted_max = {"enabled": True, "minReplicas": 6}  # maxReplicas defaults to 4
-    assert violations("BaseModelServer", bms(autoscaling=defaulted_max))
+    (message,) = violations("BaseModelServer", bms(autoscaling=defaulted_max))
+    assert "(which defaults to 4)" in message
+    # disabled: the bounds are not used, so the defaulted maxReplicas must not reject the object (issue 21)
+    assert violations("BaseModelServer", bms(autoscaling={"enabled": False, "minReplicas": 6})) == []
+    assert violations("BaseModelServer", bms(autoscaling={"minReplicas": 0})) == []
     zero = {"enabled": True, "minReplicas": 0}
     assert any("needs kind: keda" in m for m in violations("BaseModelServer", bms(autoscaling=zero)))
     assert violations("BaseModelServer", bms(autoscaling={**zero, "kind": "keda"})) == []
 
 
 @pytest.mark.parametrize("name", ["Upper", "9lives", "a" * 64, "dot.ted"])
-def test_cel_server_names_are_service_names(name):
-    assert violations("BaseModelServer", bms(name))
+def test_server_names_are_service_names(name):
+    with pytest.raises(jsonschema.ValidationError):
+        validate("BaseModelServer", bms(name))
+    validate("BaseModelServer", bms("smollm2-a"))
 
 
 # model sources, the model cache and credentials

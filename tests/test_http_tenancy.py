@@ -206,11 +206,17 @@ def test_errors_to_anonymous_clients_name_no_sources_or_paths(
     server: ServerProcess, adapter_dir: Path, archive_url: str
 ) -> None:
     url, auth = server.url, admin_headers()
-    sources = {"gone": str(adapter_dir / "gone-dir"), "remote": f"{archive_url}tenant-x.tar.gz"}
+    (adapter_dir / "empty-dir").mkdir(exist_ok=True)  # exists (a missing one is refused at registration)
+    sources = {"gone": str(adapter_dir / "empty-dir"), "remote": f"{archive_url}tenant-x.tar.gz"}
     for adapter_id, source in sources.items():  # both allowed, both fail to load
         r = httpx.post(f"{url}/v1/adapters", json={"id": adapter_id, "source": source, "wait": True}, headers=auth)
         assert r.status_code == 400 and r.json()["error"]["code"] == "adapter_load_failed", r.text
-    secrets = [str(adapter_dir), "gone-dir", "secret-bucket", archive_url.split("/")[2]]
+    missing = httpx.post(
+        f"{url}/v1/adapters", json={"id": "nowhere", "source": str(adapter_dir / "gone")}, headers=auth
+    )
+    assert missing.status_code == 400 and missing.json()["error"]["code"] == "adapter_source_missing", missing.text
+    assert httpx.get(f"{url}/v1/adapters/nowhere", headers=auth).status_code == 404  # refused, not registered
+    secrets = [str(adapter_dir), "empty-dir", "secret-bucket", archive_url.split("/")[2]]
     for adapter_id in sources:
         answers = [
             generate(url, adapter_id=adapter_id),

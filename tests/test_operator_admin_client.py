@@ -15,6 +15,7 @@ from loraplane_operator.admin_client import (
     AdminClient,
     PermanentAdminError,
     RetryableAdminError,
+    is_permanent_status,
     make_http_client,
 )
 
@@ -126,6 +127,30 @@ def test_4xx_is_permanent_with_the_servers_message(pod, status, body):
     assert info.value.status == status
     assert body["error"]["message"] in info.value.message
     assert not isinstance(info.value, RetryableAdminError)
+
+
+def test_set_tier_posts_the_tier_and_returns_the_row(pod):
+    moving = {**ROW, "state": "ready", "tier": "device", "target_tier": "host"}
+    pod.answer("POST", "/v1/adapters/fr%2Fx/tier", 200, moving)
+    assert call(pod.url, "t", "set_tier", "fr/x", "host") == moving
+    assert pod.requests[-1] == {"method": "POST", "path": "/v1/adapters/fr%2Fx/tier", "auth": "Bearer t",
+                                "body": {"tier": "host"}}  # fmt: skip
+
+
+def test_set_tier_on_an_unknown_adapter_is_retryable(pod):
+    """404: the pod restarted and lost it; the next round registers it again."""
+    pod.answer("POST", "/v1/adapters/french/tier", 404, {"error": {"message": "unknown adapter 'french'"}})
+    with pytest.raises(RetryableAdminError, match="unknown adapter"):
+        call(pod.url, "t", "set_tier", "french", "disk")
+
+
+@pytest.mark.parametrize(
+    ("status", "permanent"),
+    [(400, True), (401, True), (403, True), (413, True), (422, True), (404, False), (408, False),
+     (409, False), (425, False), (429, False), (500, False), (503, False), (200, False)],
+)  # fmt: skip
+def test_retry_classification(status, permanent):
+    assert is_permanent_status(status) is permanent
 
 
 @pytest.mark.parametrize("status", [500, 502, 503, 429, 409])

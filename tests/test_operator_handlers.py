@@ -61,8 +61,12 @@ def test_indexes():
     assert handlers.servers(body=body) == {KEY: ServerRef("smollm2", "ml", 9000)}
     assert handlers.server_pods(body=pod_body("smollm2-a")) == {KEY: pod_info(pod_body("smollm2-a"))}
     spec = {"baseModelServer": "smollm2", "source": "/s"}
-    assert handlers.adapters(name="fr", namespace="ml", spec=spec, meta={}) == {KEY: ("fr", st.AdapterWant("fr", "/s"))}
-    assert handlers.adapters(name="fr", namespace="ml", spec=spec, meta={"deletionTimestamp": "x"}) == {}
+    want = {KEY: ("fr", st.AdapterWant("fr", "/s"))}
+    assert handlers.adapters(name="fr", namespace="ml", spec=spec, meta={}, status={}) == want
+    assert handlers.adapters(name="fr", namespace="ml", spec=spec, meta={"deletionTimestamp": "x"}, status={}) == {}
+    # a Failed adapter is not re-sent to a restarted pod until retried
+    assert handlers.adapters(name="fr", namespace="ml", spec=spec, meta={}, status={"phase": "Failed"}) == {}
+    assert handlers.adapters(name="fr", namespace="ml", spec=spec, meta={}, status={"phase": "Loading"}) == want
 
 
 def test_daemon_prewarms_and_writes_status(pod, events, monkeypatch):
@@ -95,6 +99,68 @@ def test_daemon_prewarms_and_writes_status(pod, events, monkeypatch):
     assert status["phase"] == "Ready" and status["ready"] == "1/1" and status["observedGeneration"] == 1
     assert pod.posts[0]["tier"] == "device" and pod.posts[0]["pinned"] is True
     assert events == [("info", "Ready", status["message"])]
+
+
+def run_daemon(pod: FakePod, monkeypatch, meta: dict, status: dict) -> list[dict]:
+    """One daemon round (stopped after its status patch); the patches it wrote."""
+    patches: list[dict] = []
+    stopped = Stopped()
+
+    async def patch_status(api, kind, namespace, name, status):
+        patches.append(status)
+        stopped.event.set()
+
+    monkeypatch.setattr(kube, "patch_status", patch_status)
+
+    async def run(memo):
+        await handlers.adapter_daemon(
+            stopped=stopped,
+            body={},
+            name="french",
+            namespace="ml",
+            spec=SPEC,
+            meta=meta,
+            status=status,
+            memo=memo,
+            logger=kopf.LocalObjectLogger(body={"metadata": {"name": "french"}}, settings=kopf.OperatorSettings()),
+            servers={KEY: [ServerRef("smollm2", "ml", pod.port)]},
+            server_pods={KEY: [pod.info("smollm2-a")]},
+        )
+
+    with_ctx(run)
+    return patches
+
+
+def test_a_refused_source_is_one_warning_then_the_retry_annotation_recovers_it(pod, events, monkeypatch):
+    """Issue 21: a refusal (403/400) is Failed at once with a Warning event, never Loading with Normal events;
+    a new loraplane.dev/retry value sends it again and is recorded in status.observedRetry."""
+    pod.refuse = 400
+    (failed,) = run_daemon(pod, monkeypatch, {"generation": 1}, {})
+    assert failed["phase"] == "Failed" and failed["attempts"] == 1 and "400" in failed["message"]
+    assert events == [("warn", "Failed", failed["message"])]
+    pod.refuse = None
+    annotations = {c.RETRY_ANNOTATION: "1700000000"}
+    (fixed,) = run_daemon(pod, monkeypatch, {"generation": 1, "annotations": annotations}, failed)
+    assert fixed["phase"] == "Ready" and fixed["observedRetry"] == "1700000000" and fixed["attempts"] == 0
+    assert len(pod.posts) == 2 and events[-1] == ("info", "Ready", fixed["message"])
+
+
+def test_a_new_retry_annotation_wakes_the_daemon():
+    ctx = OperatorContext(api=None, http=None)
+    memo = kopf.Memo(ctx=ctx)
+
+    def woken(event_type: str, retry: str | None, observed: str | None) -> bool:
+        ctx.wakeups.clear()
+        annotations = {} if retry is None else {c.RETRY_ANNOTATION: retry}
+        handlers.adapter_retry_asked(
+            event={"type": event_type}, name="fr", namespace="ml", meta={"annotations": annotations},
+            status={"observedRetry": observed} if observed else {}, memo=memo,
+        )  # fmt: skip
+        return ctx.wakeup("ml", "fr").is_set()
+
+    assert woken("MODIFIED", "2", "1") and woken("MODIFIED", "1", None) and woken(None, "2", "1")
+    assert not woken("MODIFIED", "1", "1")  # already acted on
+    assert not woken("MODIFIED", None, "1") and not woken("DELETED", "2", "1")
 
 
 def test_pod_turning_ready_gets_every_adapter(pod, events):

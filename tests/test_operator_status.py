@@ -63,12 +63,14 @@ def test_adapter_want_defaults():
         (row("loading", "disk"), "host", "loading"),
         (row("failed", "disk", last_error="bad shapes"), "host", "failed"),
         (row("ready", "host"), "host", "ready"),
-        (row("ready", "device"), "host", "ready"),
-        (row("ready", "disk"), "host", "ready"),  # loaded once, moved down by the LRU: still serves
-        (row("registered", "disk"), "host", "cold"),
+        (row("ready", "device"), "host", "off"),  # warmer than the goal: demoted, not "reached"
+        (row("ready", "disk"), "host", "off"),  # colder (moved down by the LRU): promoted again
+        (row("ready", "device", target_tier="host"), "host", "moving"),  # demotion waits for requests
+        (row("ready", "device", target_tier="disk"), "host", "off"),  # moving elsewhere: not the goal
+        (row("registered", "disk"), "host", "off"),
         (row("registered", "disk"), "disk", "ready"),
         (row("registered", "source"), "none", "ready"),
-        (row("registered", "source"), "disk", "cold"),
+        (row("registered", "source"), "disk", "off"),
     ],
 )
 def test_pod_condition(r, tier, expected):
@@ -76,13 +78,37 @@ def test_pod_condition(r, tier, expected):
 
 
 def test_needs_prewarm():
-    assert st.needs_prewarm(None, "host", force=False, can_retry=False)
-    assert st.needs_prewarm(row("registered", "disk"), "host", force=False, can_retry=False)
+    assert st.needs_prewarm(None, "host", force=False, can_retry=True)
+    assert not st.needs_prewarm(None, "host", force=False, can_retry=False)  # out of attempts or Failed: not re-sent
+    assert not st.needs_prewarm(row("registered", "disk"), "host", force=False, can_retry=True)  # a tier call
     assert not st.needs_prewarm(row("ready", "host"), "host", force=False, can_retry=True)
     assert st.needs_prewarm(row("ready", "host"), "host", force=True, can_retry=True)
     assert not st.needs_prewarm(row("loading", "disk"), "host", force=False, can_retry=True)
     assert st.needs_prewarm(row("failed"), "host", force=False, can_retry=True)
     assert not st.needs_prewarm(row("failed"), "host", force=True, can_retry=False)
+
+
+@pytest.mark.parametrize(
+    ("r", "tier", "expected"),
+    [
+        (row("ready", "device"), "host", True),  # warmer: demote
+        (row("ready", "device"), "disk", True),
+        (row("ready", "host"), "device", True),  # colder: promote
+        (row("ready", "disk"), "device", True),
+        (row("registered", "source"), "disk", True),
+        (row("ready", "host"), "host", False),
+        (row("ready", "device", target_tier="host"), "host", False),  # already moving there
+        (row("ready", "device", target_tier="disk"), "host", True),
+        (row("ready", "device"), "none", False),  # registered only: any tier will do
+        (row("loading", "disk"), "host", False),
+        (row("failed", "source"), "host", False),  # a failed load is registered again, not moved
+        (None, "host", False),
+    ],
+)
+def test_tier_goal_is_exact(r, tier, expected):
+    assert st.needs_tier_call(r, tier) is expected
+    assert st.reached(r, tier) is (r is not None and tier in (r["tier"], "none") and r["state"] not in (
+        "loading", "failed") and r.get("target_tier") in (None, tier))  # fmt: skip
 
 
 def test_choose_tiers_all_or_n_pods_keeping_those_that_have_it():
@@ -104,25 +130,44 @@ def test_backoff_and_retry_budget():
     assert st.next_attempts(3, has_failure=False, retried=True) == 0
     assert st.next_attempts(3, has_failure=True, retried=True) == 4
     assert st.next_attempts(3, has_failure=True, retried=False) == 3
+    assert st.next_attempts(c.MAX_ATTEMPTS, has_failure=True, retried=True) == c.MAX_ATTEMPTS  # never past it
+    assert not st.can_retry(0, None, is_failed=True)
 
 
 # aggregation
-def status_of(results, want=WANT, attempts=0, previous=None, generation=2):
+def status_of(results, want=WANT, attempts=0, previous=None, generation=2, **extra):
     return st.adapter_status(
-        results, want, previous or {}, attempts=attempts, last_attempt=None, generation=generation, now=NOW
+        results,
+        want,
+        previous or {},
+        name="french",
+        attempts=attempts,
+        last_attempt=None,
+        generation=generation,
+        now=NOW,
+        **extra,
     )
 
 
 def test_all_ready():
-    s = status_of([result("p-a", row(rank=8, size_bytes=1234)), result("p-b", row(tier="device"))])
+    s = status_of([result("p-a", row(rank=8, size_bytes=1234)), result("p-b", row(tier="host"))])
     assert s["phase"] == "Ready"
     assert (s["readyReplicas"], s["desiredReplicas"], s["ready"]) == (2, 2, "2/2")
     assert s["rank"] == 8 and s["sizeBytes"] == 1234
     assert s["observedGeneration"] == 2 and s["attempts"] == 0
     assert [e["pod"] for e in s["residency"]] == ["p-a", "p-b"]
-    assert s["residency"][1] == {"pod": "p-b", "tier": "device", "state": "ready", "since": NOW}
+    assert s["residency"][1] == {"pod": "p-b", "tier": "host", "state": "ready", "since": NOW}
+    assert s["pods"] == "p-a:host,p-b:host" and s["message"] == "at tier host on 2/2 pods"
     (cond,) = s["conditions"]
     assert cond["type"] == "Ready" and cond["status"] == "True" and cond["reason"] == "Ready"
+
+
+def test_status_reports_what_the_pods_report_never_the_goal():
+    """Issue 21: a pod still at device after the spec asked for host is not counted at host."""
+    s = status_of([result("p-a", row(tier="host")), result("p-b", row("ready", "device", target_tier="host"))])
+    assert s["phase"] == "Loading" and s["ready"] == "1/2" and "at tier host" not in s["message"]
+    assert [e["tier"] for e in s["residency"]] == ["host", "device"]
+    assert s["pods"] == "p-a:host,p-b:device"
 
 
 def test_mixed_loading():
@@ -152,6 +197,9 @@ def test_all_failed_retries_then_fails():
     failed = status_of(results, attempts=c.MAX_ATTEMPTS)
     assert failed["phase"] == "Failed"
     assert "not a PEFT adapter" in failed["message"] and "after 5 attempts" in failed["message"]
+    assert failed["message"].endswith(
+        "; to retry: kubectl annotate lora french loraplane.dev/retry=$(date +%s) --overwrite"
+    )
     assert failed["conditions"][0]["reason"] == "Failed"
 
 
@@ -163,6 +211,24 @@ def test_out_of_attempts_is_not_failed_while_a_pod_still_loads():
         assert s["phase"] == "Loading" and "not a PEFT adapter" in s["message"]
     both_failed = [broken, result("p-b", row("failed", "source", last_error="not a PEFT adapter"))]
     assert status_of(both_failed, attempts=c.MAX_ATTEMPTS)["phase"] == "Failed"
+
+
+def test_a_permanent_refusal_fails_at_once_with_the_reason():
+    refused = st.PodResult("p-a", "host", None, "POST /v1/adapters: 403 source not allowed", True, permanent=True)
+    s = status_of([refused, result("p-b", row("loading", "disk"))], attempts=1)
+    assert s["phase"] == "Failed" and s["attempts"] == 1
+    assert "refused on 1/2 pods: POST /v1/adapters: 403 source not allowed" in s["message"]
+    assert s["message"].endswith("--overwrite")
+    transient = st.PodResult("p-a", "host", None, "POST /v1/adapters: 503 busy", True)
+    assert status_of([transient], attempts=1)["phase"] == "Loading"
+
+
+def test_a_failed_adapter_stays_failed_and_records_the_retry():
+    previous = {"phase": "Failed", "message": "refused on 1/1 pods: 403; to retry: ..."}
+    s = status_of([result("p-a", None)], previous=previous, attempts=1, stay_failed=True, retry="7")
+    assert (s["phase"], s["message"], s["attempts"]) == ("Failed", previous["message"], 1)
+    assert s["observedRetry"] == "7" and s["conditions"][0]["reason"] == "Failed"
+    assert "observedRetry" not in status_of([result("p-a", row())])
 
 
 def test_replicas_counts_only_the_chosen_pods():
@@ -181,7 +247,8 @@ def test_since_and_transition_time_are_kept_while_unchanged():
     again = status_of([result("p-a", row()), result("p-b", row("loading", "disk"))], previous=previous)
     assert again["residency"][0]["since"] == earlier and again["residency"][1]["since"] == NOW
     assert again["conditions"][0]["lastTransitionTime"] == NOW  # Ready flipped to False
-    moved = status_of([result("p-a", row(tier="device"))], previous=previous)
+    device = st.AdapterWant("french", "/opt/a/french", "device")
+    moved = status_of([result("p-a", row(tier="device"), "device")], want=device, previous=previous)
     assert moved["residency"][0]["since"] == NOW
     assert moved["conditions"][0]["lastTransitionTime"] == earlier  # still Ready
 
@@ -254,6 +321,22 @@ def test_server_status():
     assert s["endpoints"] == {"smollm2-b": "http://10.0.0.2:9000"}
     assert s["selector"] == f"{c.NAME_LABEL}=loraplane-server,{c.SERVER_LABEL}=smollm2"
     assert s["conditions"][0]["status"] == "False" and s["conditions"][0]["observedGeneration"] == 4
+    assert s["autoscaling"] == "off"  # the AUTOSCALING column: not the defaulted spec.autoscaling.kind
+
+
+@pytest.mark.parametrize(
+    ("autoscaling", "expected"),
+    [
+        (None, "off"),
+        ({"enabled": False, "kind": "hpa", "minReplicas": 6}, "off"),
+        ({"enabled": True, "kind": "hpa"}, "hpa"),
+        ({"enabled": True, "kind": "keda"}, "keda"),
+        ({"enabled": True}, "hpa"),
+    ],
+)
+def test_autoscaling_column(autoscaling, expected):
+    bms = {"metadata": {"name": "smollm2", "namespace": "ml"}, "spec": {"autoscaling": autoscaling}}
+    assert server_status(bms, deployment(1, 1), [], {}, NOW)["autoscaling"] == expected
     ref = server_ref({**bms, "spec": {"adminTokenSecretRef": {"name": "admin"}}})
     assert ref == ServerRef("smollm2", "ml", 8080, "admin", "token")
 
@@ -293,6 +376,8 @@ class FakePod:
 
     def __init__(self, fail_with: str | None = None) -> None:
         self.fail_with = fail_with
+        self.refuse: int | None = None  # answer POST /v1/adapters with this 4xx/5xx (e.g. 403 not allowed)
+        self.tier_calls: list[tuple[str, str]] = []
         self.delete_status: int | None = None  # e.g. 409 while "requests use it"
         self.deletes: list[str] = []
         self.adapters: dict[str, dict] = {}
@@ -319,12 +404,24 @@ class FakePod:
 
             def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+                if self.path.endswith("/tier"):  # exactly that tier (the server's demotion path)
+                    adapter_id = self.path.split("/")[3]
+                    pod.tier_calls.append((adapter_id, body["tier"]))
+                    pod.adapters[adapter_id]["tier"] = body["tier"]
+                    self._send(200, {**pod.adapters[adapter_id], "target_tier": None})
+                    return
                 pod.posts.append(body)
+                if pod.refuse:
+                    self._send(pod.refuse, {"error": {"message": f"adapter source {body.get('source')!r} refused"}})
+                    return
                 tier = body["tier"] if body["tier"] != "none" else "source"
                 state = "registered" if body["tier"] == "none" else "ready"
                 r = {"id": body["id"], "source": body.get("source"), "state": state, "tier": tier, "rank": 8}
                 if pod.fail_with:
                     r.update(state="failed", tier="source", last_error=pod.fail_with)
+                old = pod.adapters.get(body["id"]) or {}
+                if c.TIER_RANK.get(old.get("tier", "none"), 3) < c.TIER_RANK[body["tier"]]:
+                    r["tier"] = old["tier"]  # POST /v1/adapters loads to at least the tier: it never demotes
                 pod.adapters[body["id"]] = r
                 self._send(200, r)
 
@@ -363,7 +460,7 @@ def fake_pods():
         p.close()
 
 
-def run_round(pods: list[tuple[str, FakePod]], spec: dict, status: dict, generation: int = 1):
+def run_round(pods: list[tuple[str, FakePod]], spec: dict, status: dict, generation: int = 1, retry: str | None = None):
     """adapter_round with each pod on its own port (the port is per server, so one server per pod here)."""
 
     async def go():
@@ -373,7 +470,9 @@ def run_round(pods: list[tuple[str, FakePod]], spec: dict, status: dict, generat
             for name, pod in pods:
                 server = ServerRef("smollm2", "ml", pod.port)
                 outs.append(
-                    await reconcile.adapter_round(ctx, "french", spec, status, generation, server, [pod.info(name)])
+                    await reconcile.adapter_round(
+                        ctx, "french", spec, status, generation, server, [pod.info(name)], retry
+                    )
                 )
             return outs
 
@@ -411,6 +510,59 @@ def test_round_counts_failures_and_stops_retrying(fake_pods):
     assert len(pod.posts) == posts and out.status["phase"] == "Failed"  # retries stopped
     (fresh,) = run_round([("smollm2-a", pod)], SPEC, status, generation=2)
     assert len(pod.posts) == posts + 1 and fresh.status["attempts"] == 1  # a new spec starts over
+
+
+def test_round_demotes_and_promotes_to_exactly_the_spec_tier(fake_pods):
+    """Issue 21: device -> host -> disk -> device, each a tier call, the status what the pod then reports."""
+    pod = fake_pods()
+    (out,) = run_round([("smollm2-a", pod)], SPEC, {})
+    for generation, tier in enumerate(("host", "disk", "device"), start=2):
+        spec = {**SPEC, "prewarm": {"tier": tier}}
+        (out,) = run_round([("smollm2-a", pod)], spec, out.status, generation=generation)
+        assert pod.adapters["french"]["tier"] == tier  # a demotion by the tier call, a promotion by either
+        assert out.status["residency"][0]["tier"] == tier and out.status["pods"] == f"smollm2-a:{tier}"
+        assert out.status["phase"] == "Ready" and out.status["message"] == f"at tier {tier} on 1/1 pods"
+    assert pod.tier_calls == [("french", "host"), ("french", "disk")]
+    pod.adapters["french"]["tier"] = "host"  # the LRU moved it down: the next timer round promotes it
+    (out,) = run_round([("smollm2-a", pod)], {**SPEC, "prewarm": {"tier": "device"}}, out.status, generation=4)
+    assert pod.tier_calls[-1] == ("french", "device") and out.status["residency"][0]["tier"] == "device"
+
+
+def test_a_refused_source_fails_at_once_and_is_not_resent(fake_pods):
+    pod = fake_pods()
+    pod.refuse = 403
+    (out,) = run_round([("smollm2-a", pod)], SPEC, {})
+    assert out.status["phase"] == "Failed" and out.status["attempts"] == 1
+    assert "403" in out.status["message"] and "refused" in out.status["message"]
+    assert out.status["message"].endswith("loraplane.dev/retry=$(date +%s) --overwrite")
+    for _ in range(3):  # later rounds only read: attempts stay, nothing is re-sent
+        (out,) = run_round([("smollm2-a", pod)], SPEC, {**out.status, "lastAttemptTime": "2000-01-01T00:00:00Z"})
+    assert len(pod.posts) == 1 and out.status["phase"] == "Failed" and out.status["attempts"] == 1
+
+
+def test_transient_refusals_retry_up_to_the_limit(fake_pods):
+    pod = fake_pods()
+    pod.refuse = 503
+    status: dict = {}
+    for _ in range(c.MAX_ATTEMPTS + 3):
+        (out,) = run_round([("smollm2-a", pod)], SPEC, {**status, "lastAttemptTime": "2000-01-01T00:00:00Z"})
+        status = out.status
+        assert status["attempts"] <= c.MAX_ATTEMPTS
+    assert status["phase"] == "Failed" and len(pod.posts) == c.MAX_ATTEMPTS
+
+
+def test_the_retry_annotation_resets_a_failed_adapter(fake_pods):
+    pod = fake_pods()
+    pod.refuse = 403
+    (failed,) = run_round([("smollm2-a", pod)], SPEC, {})
+    (still,) = run_round([("smollm2-a", pod)], SPEC, failed.status)  # no annotation yet: nothing sent
+    assert len(pod.posts) == 1 and still.status["phase"] == "Failed"
+    pod.refuse = None  # the admin fixed the source
+    (out,) = run_round([("smollm2-a", pod)], SPEC, still.status, retry="1700000000")
+    assert len(pod.posts) == 2 and out.status["phase"] == "Ready" and out.status["attempts"] == 0
+    assert out.status["observedRetry"] == "1700000000"
+    (again,) = run_round([("smollm2-a", pod)], SPEC, out.status, retry="1700000000")
+    assert len(pod.posts) == 2 and again.status["phase"] == "Ready"  # the same value acts once
 
 
 def test_round_without_pods_or_server_is_pending():

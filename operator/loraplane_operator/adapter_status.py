@@ -1,5 +1,6 @@
-"""Pure LoRAAdapter logic: what each pod should hold, which pods need a prewarm call, and the status
-(per-pod residency, ready/desired counts, phase, conditions) aggregated from the pods' admin API rows."""
+"""Pure LoRAAdapter logic: what each pod should hold (exactly the spec's tier), which pods need a prewarm or a
+tier call, bounded retries (a 4xx refusal fails at once), and the status (per-pod residency as the pods report
+it, ready/desired counts, phase, conditions) aggregated from the pods' admin API rows."""
 
 from __future__ import annotations
 
@@ -45,6 +46,14 @@ class PodResult:
     row: Row | None = None
     error: str | None = None
     attempted: bool = False  # this round called the pod for it (a prewarm, or a read that failed)
+    permanent: bool = False  # the error is a refusal that retrying cannot change (a 4xx)
+
+    @property
+    def is_refusal(self) -> bool:
+        """A failure retrying cannot change: a 4xx refusal, or a load the server says only a new source can fix
+        (its row's error_transient is False: a broken adapter, a missing file; True or absent: may pass)."""
+        row = self.row or {}
+        return self.permanent or (row.get("state") == "failed" and row.get("error_transient") is False)
 
     @property
     def is_failed_attempt(self) -> bool:
@@ -52,14 +61,21 @@ class PodResult:
 
 
 def reached(row: Row | None, tier: str) -> bool:
-    """The adapter sits at `tier` or warmer and is not loading or failed (as the server's wait_for judges)."""
+    """The pod reports the adapter at exactly `tier`, settled (not loading, failed or moving to another tier)."""
     if row is None or row.get("state") in ("loading", "failed"):
         return False
-    return tier == "none" or c.TIER_RANK.get(str(row.get("tier")), 3) <= c.TIER_RANK[tier]
+    if tier == "none":
+        return True
+    return row.get("tier") == tier and row.get("target_tier") in (None, tier)
+
+
+def is_moving(row: Row | None, tier: str) -> bool:
+    """The server is moving the adapter to `tier` (a demotion waiting for running requests)."""
+    return row is not None and tier != "none" and row.get("target_tier") == tier and row.get("tier") != tier
 
 
 def pod_condition(row: Row | None, tier: str, error: str | None = None) -> str:
-    """error | missing | failed | loading | ready | cold (registered, never loaded to the tier)."""
+    """error | missing | failed | loading | ready | moving (to the tier) | off (at another tier, or never loaded)."""
     if error is not None:
         return "error"
     if row is None:
@@ -67,18 +83,22 @@ def pod_condition(row: Row | None, tier: str, error: str | None = None) -> str:
     state = row.get("state")
     if state in ("failed", "loading"):
         return str(state)
-    # "ready" below the tier: loaded once, then moved down by the LRU; it still serves, so no re-prewarm
-    if reached(row, tier) or state == "ready":
+    if reached(row, tier):
         return "ready"
-    return "cold"
+    return "moving" if is_moving(row, tier) else "off"
 
 
 def needs_prewarm(row: Row | None, tier: str, *, force: bool, can_retry: bool) -> bool:
-    """POST /v1/adapters to this pod? Always when unknown or never loaded; failed loads only while retrying."""
-    cond = pod_condition(row, tier)
-    if cond == "failed":
-        return can_retry
-    return force or cond in ("missing", "cold")
+    """POST /v1/adapters to this pod (register with the source, load, pin)? On a spec change or a retry
+    (`force`), else when unknown there or failed, and only while the retry budget allows."""
+    if not can_retry:
+        return False
+    return force or pod_condition(row, tier) in ("missing", "failed")
+
+
+def needs_tier_call(row: Row | None, tier: str) -> bool:
+    """POST /v1/adapters/{id}/tier: the pod reports the adapter settled at a tier other than the goal."""
+    return row is not None and tier != "none" and pod_condition(row, tier) == "off"
 
 
 def choose_tiers(pods: Sequence[str], rows: Mapping[str, Row | None], want: AdapterWant) -> dict[str, str]:
@@ -96,17 +116,24 @@ def backoff_s(attempts: int) -> float:
     return min(c.BACKOFF_BASE_S * 2 ** max(attempts - 1, 0), c.BACKOFF_MAX_S)
 
 
-def can_retry(attempts: int, last_attempt_age_s: float | None) -> bool:
-    if attempts >= c.MAX_ATTEMPTS:
+def can_retry(attempts: int, last_attempt_age_s: float | None, *, is_failed: bool = False) -> bool:
+    """May this round call the pods for the adapter? Never once Failed or out of attempts; else after the backoff."""
+    if is_failed or attempts >= c.MAX_ATTEMPTS:
         return False
     return last_attempt_age_s is None or attempts == 0 or last_attempt_age_s >= backoff_s(attempts)
 
 
 def next_attempts(previous: int, has_failure: bool, retried: bool) -> int:
-    """Consecutive rounds that met a failure: reset by a clean round, counted when a call this round failed."""
+    """Consecutive rounds that met a failure: reset by a clean round, counted when a call this round failed,
+    never past the limit."""
     if not has_failure:
         return 0
-    return previous + 1 if retried else previous
+    return min(previous + 1, c.MAX_ATTEMPTS) if retried else previous
+
+
+def retry_hint(name: str) -> str:
+    """How an admin retries a Failed adapter without editing its spec (the operator resets its attempts)."""
+    return f"; to retry: kubectl annotate lora {name} {c.RETRY_ANNOTATION}=$(date +%s) --overwrite"
 
 
 @dataclass(frozen=True)
@@ -125,16 +152,19 @@ def summarize(results: Sequence[PodResult], want: AdapterWant, attempts: int) ->
     targets = [r for r in results if r.tier == want.tier]
     ready = sum(conds[r.pod] == "ready" for r in targets)
     failures = [r for r in results if conds[r.pod] in ("failed", "error")]
-    is_loading = any(conds[r.pod] in ("loading", "missing", "cold") for r in results)
+    is_loading = any(conds[r.pod] in ("loading", "missing", "moving", "off") for r in results)
     desired = len(targets)
     if not failures:
         phase = c.PHASE_READY if ready >= desired and not is_loading else c.PHASE_LOADING
         message = f"at tier {want.tier} on {ready}/{desired} pods" if phase == c.PHASE_READY else "loading"
         return Summary(phase, message, ready, desired, False, is_loading)
-    first = failures[0]
+    refusals = [r for r in failures if r.is_refusal]
+    first = (refusals or failures)[0]
     reason = first.error or (first.row or {}).get("last_error") or "load failed"
     where = f"{len(failures)}/{len(results)} pods"
-    if ready == 0 and attempts >= c.MAX_ATTEMPTS and not is_loading:
+    if ready == 0 and refusals:  # a 4xx: retrying cannot help, fail at once with the server's reason
+        phase, message = c.PHASE_FAILED, f"refused on {len(refusals)}/{len(results)} pods: {reason}"
+    elif ready == 0 and attempts >= c.MAX_ATTEMPTS and not is_loading:
         # Failed only once no pod is still loading it (a pod that joined late gets its own try)
         phase, message = c.PHASE_FAILED, f"failed on {where} after {attempts} attempts: {reason}"
     elif ready == 0:
@@ -142,6 +172,11 @@ def summarize(results: Sequence[PodResult], want: AdapterWant, attempts: int) ->
     else:
         phase, message = c.PHASE_DEGRADED, f"failed on {where} ({first.pod}): {reason}"
     return Summary(phase, message, ready, desired, True, is_loading)
+
+
+def pods_column(entries: Sequence[Mapping[str, Any]]) -> str:
+    """ "pod-a:device,pod-b:host": where the pods report the adapter (kubectl get lora -o wide)."""
+    return ",".join(f"{e['pod']}:{e.get('tier') or 'none'}" for e in entries)
 
 
 def residency(results: Sequence[PodResult], previous: Sequence[Mapping[str, Any]], now: str) -> list[dict]:
@@ -181,24 +216,38 @@ def adapter_status(
     want: AdapterWant,
     previous: Mapping[str, Any],
     *,
+    name: str,
     attempts: int,
     last_attempt: str | None,
     generation: int | None,
     now: str,
+    retry: str | None = None,
+    stay_failed: bool = False,
 ) -> dict[str, Any]:
-    """The whole LoRAAdapter status after a round over `results` (one per Ready pod of the server)."""
+    """The whole LoRAAdapter status after a round over `results` (one per Ready pod of the server).
+    `stay_failed`: the adapter was Failed and nobody asked for a retry: phase and message are kept, the
+    residency still follows the pods. `retry`: the retry annotation's value this round acted on."""
     s = summarize(results, want, attempts)
+    phase, message = s.phase, s.message
+    if stay_failed:
+        phase, message = c.PHASE_FAILED, str(previous.get("message") or "failed")
+    elif phase == c.PHASE_FAILED:
+        message += retry_hint(name)
     rows = [r.row for r in results if r.row]
+    entries = residency(results, previous.get("residency") or [], now)
     status: dict[str, Any] = {
-        "phase": s.phase,
-        "message": s.message,
+        "phase": phase,
+        "message": message,
         "ready": f"{s.ready}/{s.desired}",
         "readyReplicas": s.ready,
         "desiredReplicas": s.desired,
-        "residency": residency(results, previous.get("residency") or [], now),
+        "residency": entries,
+        "pods": pods_column(entries),
         "attempts": attempts,
-        "conditions": [ready_condition(s.phase, s.message, generation, previous.get("conditions") or [], now)],
+        "conditions": [ready_condition(phase, message, generation, previous.get("conditions") or [], now)],
     }
+    if retry is not None:
+        status["observedRetry"] = retry
     if last_attempt:
         status["lastAttemptTime"] = last_attempt
     if generation is not None:
@@ -219,6 +268,7 @@ def pending_status(message: str, previous: Mapping[str, Any], generation: int | 
         "readyReplicas": 0,
         "desiredReplicas": 0,
         "residency": [],
+        "pods": "",
         "conditions": [ready_condition(c.PHASE_PENDING, message, generation, previous.get("conditions") or [], now)],
     }
     if generation is not None:
@@ -245,6 +295,6 @@ def status_patch(current: Mapping[str, Any], desired: Mapping[str, Any], owned: 
 ADAPTER_STATUS_KEYS = frozenset(
     {
         "phase", "message", "ready", "readyReplicas", "desiredReplicas", "residency", "attempts",
-        "lastAttemptTime", "observedGeneration", "rank", "sizeBytes", "conditions",
+        "lastAttemptTime", "observedGeneration", "rank", "sizeBytes", "conditions", "pods", "observedRetry",
     }
 )  # fmt: skip

@@ -1,7 +1,9 @@
-"""Async client of a server pod's adapter admin API: GET/POST /v1/adapters, DELETE /v1/adapters/{id}.
+"""Async client of a server pod's adapter admin API: GET/POST /v1/adapters, POST /v1/adapters/{id}/tier,
+DELETE /v1/adapters/{id}.
 
-Errors are typed for the operator's retry decisions: `RetryableAdminError` (connection failures,
-timeouts, 408, 409 adapter in use, 429, 5xx) and `PermanentAdminError` (other 4xx, with the server's message).
+Errors are typed for the operator's retry decisions: `RetryableAdminError` (connection failures, timeouts,
+404, 408, 409 adapter in use, 425, 429, 5xx) and `PermanentAdminError` (other 4xx: not allowed, invalid
+adapter or source; with the server's message).
 """
 
 from __future__ import annotations
@@ -14,7 +16,12 @@ import httpx
 
 from loraplane_operator import constants as c
 
-RETRYABLE_STATUSES = frozenset({408, 409, 425, 429})
+RETRYABLE_STATUSES = frozenset({404, 408, 409, 425, 429})  # 4xx that may pass: unknown yet, busy, overloaded
+
+
+def is_permanent_status(status: int) -> bool:
+    """A refusal that retrying cannot change: a 4xx other than the RETRYABLE_STATUSES."""
+    return 400 <= status < 500 and status not in RETRYABLE_STATUSES
 
 
 class AdminError(Exception):
@@ -67,9 +74,9 @@ def _retry_after(response: httpx.Response) -> float | None:
 def classify(response: httpx.Response) -> AdminError:
     status = response.status_code
     message = f"{response.request.method} {response.request.url.path}: {status} {error_message(response)}"
-    if status >= 500 or status in RETRYABLE_STATUSES:
-        return RetryableAdminError(message, status, _retry_after(response))
-    return PermanentAdminError(message, status)
+    if is_permanent_status(status):
+        return PermanentAdminError(message, status)
+    return RetryableAdminError(message, status, _retry_after(response))
 
 
 @dataclass(frozen=True)
@@ -102,6 +109,13 @@ class AdminClient:
         if pinned is not None:
             body["pinned"] = pinned
         response = await self._call("POST", "/v1/adapters", body)
+        if response.status_code != 200:
+            raise classify(response)
+        return dict(response.json())
+
+    async def set_tier(self, adapter_id: str, tier: str) -> dict:
+        """Move a known adapter to exactly `tier` (promote or demote); its row, with "target_tier" while moving."""
+        response = await self._call("POST", f"/v1/adapters/{quote(adapter_id, safe='')}/tier", {"tier": tier})
         if response.status_code != 200:
             raise classify(response)
         return dict(response.json())

@@ -242,6 +242,11 @@ def is_autoscaled(spec: Mapping[str, Any]) -> bool:
     return bool((spec.get("autoscaling") or {}).get("enabled"))
 
 
+def autoscaler_kind(spec: Mapping[str, Any]) -> str:
+    """The autoscaler in force: off, hpa or keda (the BaseModelServer's AUTOSCALING column)."""
+    return _autoscaling(spec)["kind"] if is_autoscaled(spec) else "off"
+
+
 def deployment_replicas(spec: Mapping[str, Any], current: int | None) -> int:
     """spec.replicas; under autoscaling the live count (clamped to the bounds), so applying the Deployment
     never resets what the autoscaler chose (omitting the field would reset it to 1 under server-side apply)."""

@@ -26,6 +26,7 @@ MANAGED_BY = "loraplane-operator"
 
 # annotations and finalizer
 CONFIG_HASH_ANNOTATION = f"{GROUP}/config-hash"
+RETRY_ANNOTATION = f"{GROUP}/retry"  # on a LoRAAdapter: a new value resets its attempts and retries it
 FINALIZER = f"{GROUP}/finalizer"  # kopf's: LoRAAdapters are unloaded from every pod before it goes
 FIELD_MANAGER = "loraplane-operator"
 

@@ -3,9 +3,10 @@
 BaseModelServer: create/update/resume apply the model cache's claim, the Deployment, Service and autoscaler
 (owned, server-side applied); a timer mirrors the Deployment, the pods and the model's phase (read from the
 starting pods' /ready) into the status, with an Event when the model's phase changes.
-LoRAAdapter: one daemon per adapter runs reconcile rounds (now on spec changes, every few seconds while
-loading, with backoff after failures, every ADAPTER_RESYNC_S otherwise); delete unloads it from every pod
-(the finalizer). Server pods: a pod that turns Ready or restarts gets every adapter of its server again.
+LoRAAdapter: one daemon per adapter runs reconcile rounds (now on spec changes and on a new retry annotation,
+every few seconds while loading, with backoff after failures, every ADAPTER_RESYNC_S otherwise); delete
+unloads it from every pod (the finalizer). Server pods: a pod that turns Ready or restarts gets every adapter
+of its server again.
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ from loraplane_operator.server_status import PodInfo, ServerRef, current_pods, p
 BMS = (c.GROUP, c.VERSION, c.BMS_PLURAL)
 LORA = (c.GROUP, c.VERSION, c.LORA_PLURAL)
 SERVER_PODS = {c.MANAGED_BY_LABEL: c.MANAGED_BY}
-SERVER_STATUS_KEYS = frozenset({"phase", "message", "replicas", "readyReplicas", "selector", "endpoints", "model"})
+SERVER_STATUS_KEYS = frozenset(
+    {"phase", "message", "replicas", "readyReplicas", "selector", "endpoints", "model", "autoscaling"}
+)
 
 
 def _ctx(memo: kopf.Memo) -> OperatorContext:
@@ -62,8 +65,9 @@ def server_pods(body: kopf.Body, **_: Any) -> dict:
 
 
 @kopf.index(*LORA)
-def adapters(name: str, namespace: str | None, spec: kopf.Spec, meta: kopf.Meta, **_: Any) -> dict:
-    if meta.get("deletionTimestamp") or not spec.get("source"):
+def adapters(name: str, namespace: str | None, spec: kopf.Spec, meta: kopf.Meta, status: kopf.Status, **_: Any) -> dict:
+    """The adapters a (re)started pod of their server gets; a Failed one is not re-sent until retried."""
+    if meta.get("deletionTimestamp") or not spec.get("source") or status.get("phase") == c.PHASE_FAILED:
         return {}
     return {(namespace or "", spec.get("baseModelServer")): (name, st.adapter_want(name, spec))}
 
@@ -162,8 +166,9 @@ async def adapter_daemon(
         key = (namespace, spec.get("baseModelServer"))
         server: ServerRef | None = _first(servers, key)
         try:
+            retry = (meta.get("annotations") or {}).get(c.RETRY_ANNOTATION)
             out = await reconcile.adapter_round(
-                ctx, name, spec, current, meta.get("generation"), server, server_pods.get(key, [])
+                ctx, name, spec, current, meta.get("generation"), server, server_pods.get(key, []), retry
             )
         except (ApiException, KeyError) as exc:  # the admin token Secret cannot be read
             message = f"cannot read the admin token of BaseModelServer {key[1]!r}: {exc}"
@@ -207,6 +212,23 @@ async def _sleep(wake: asyncio.Event, stopped: kopf.DaemonStopped, delay_s: floa
 def adapter_changed(name: str, namespace: str | None, memo: kopf.Memo, **_: Any) -> None:
     """The daemon sees the new generation and runs a forced round now instead of at its next tick."""
     _ctx(memo).wakeup(namespace or "", name).set()
+
+
+@kopf.on.event(*LORA)
+def adapter_retry_asked(
+    event: kopf.RawEvent,
+    name: str,
+    namespace: str | None,
+    meta: kopf.Meta,
+    status: kopf.Status,
+    memo: kopf.Memo,
+    **_: Any,
+) -> None:
+    """A new loraplane.dev/retry value wakes the daemon for a forced round now. A raw event handler: kopf's
+    diffs leave out every annotation under its storage prefix (loraplane.dev), so no on.update sees it."""
+    retry = (meta.get("annotations") or {}).get(c.RETRY_ANNOTATION)
+    if event["type"] != "DELETED" and retry is not None and retry != status.get("observedRetry"):
+        _ctx(memo).wakeup(namespace or "", name).set()
 
 
 @kopf.on.delete(*LORA)  # type: ignore[arg-type]  # index kwargs are not in kopf's protocols

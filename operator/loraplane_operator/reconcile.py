@@ -16,7 +16,7 @@ from kubernetes_asyncio.client.exceptions import ApiException
 from loraplane_operator import adapter_status as st
 from loraplane_operator import constants as c
 from loraplane_operator import kube
-from loraplane_operator.admin_client import AdminError, RetryableAdminError
+from loraplane_operator.admin_client import AdminError, PermanentAdminError, RetryableAdminError
 from loraplane_operator.context import OperatorContext
 from loraplane_operator.server_status import ModelReport, PodInfo, ServerRef, model_report, ready_pods
 
@@ -121,16 +121,24 @@ async def _sync_pod(
     force: bool,
     can_retry: bool,
 ) -> st.PodResult:
-    """Prewarm on one pod if needed; the pod's row afterwards (or the call's error)."""
-    if not st.needs_prewarm(row, tier, force=force, can_retry=can_retry):
+    """Register/prewarm on one pod if needed, then move it to exactly the wanted tier if it sits at another;
+    the pod's row afterwards (or the call's error, permanent for a 4xx refusal)."""
+    is_prewarm = st.needs_prewarm(row, tier, force=force, can_retry=can_retry)
+    if not is_prewarm and not (can_retry and st.needs_tier_call(row, tier)):
         return st.PodResult(pod.name, tier, row)
     url = pod.url(port)
+    admin = ctx.admin(url, token)
     try:
         async with ctx.slot(url):
-            row = await ctx.admin(url, token).prewarm(want.adapter_id, want.source, tier, want.pinned)
+            if is_prewarm:
+                row = await admin.prewarm(want.adapter_id, want.source, tier, want.pinned)
+            if st.needs_tier_call(row, tier):
+                row = await admin.set_tier(want.adapter_id, tier)
     except AdminError as exc:
-        return st.PodResult(pod.name, tier, row, error=exc.message, attempted=True)
-    ctx.residency.put(url, row)
+        permanent = isinstance(exc, PermanentAdminError)
+        return st.PodResult(pod.name, tier, row, error=exc.message, attempted=True, permanent=permanent)
+    if row is not None:
+        ctx.residency.put(url, row)
     return st.PodResult(pod.name, tier, row, attempted=True)
 
 
@@ -152,8 +160,10 @@ async def adapter_round(
     generation: int | None,
     server: ServerRef | None,
     pods: Iterable[PodInfo],
+    retry: str | None = None,
 ) -> RoundOutcome:
-    """One reconcile round of a LoRAAdapter over every Ready pod of its server."""
+    """One reconcile round of a LoRAAdapter over every Ready pod of its server. A spec change or a new
+    `retry` (the retry annotation's value) resets the attempts; a Failed adapter is otherwise only read."""
     now = now_iso()
     want = st.adapter_want(name, spec)
     if server is None:
@@ -164,18 +174,19 @@ async def adapter_round(
         message = f"no Ready pod of BaseModelServer {server.name!r} yet"  # pod events wake the daemon
         return RoundOutcome(st.pending_status(message, status, generation, now), c.ADAPTER_RESYNC_S)
     token = await server_token(ctx, server)
-    force = status.get("observedGeneration") != generation
+    force = status.get("observedGeneration") != generation or retry != status.get("observedRetry")
     attempts = 0 if force else int(status.get("attempts") or 0)
     last = None if force else status.get("lastAttemptTime")
-    can_retry = st.can_retry(attempts, age_s(last, now))
+    stay_failed = not force and status.get("phase") == c.PHASE_FAILED
+    can_retry = st.can_retry(attempts, age_s(last, now), is_failed=stay_failed)
 
     read = await asyncio.gather(*(_read_row(ctx, p, server.port, token, want.adapter_id) for p in live))
     rows = {p.name: row for p, (row, _) in zip(live, read, strict=True)}
     tiers = st.choose_tiers([p.name for p in live], rows, want)
 
     async def sync(pod: PodInfo, row: dict | None, error: str | None) -> st.PodResult:
-        if error is not None:
-            return st.PodResult(pod.name, tiers[pod.name], None, error=error, attempted=True)
+        if error is not None:  # an unreachable pod counts as an attempt only while retries are allowed
+            return st.PodResult(pod.name, tiers[pod.name], None, error=error, attempted=can_retry)
         return await _sync_pod(
             ctx, pod, server.port, token, want, tiers[pod.name], row, force=force, can_retry=can_retry
         )
@@ -183,15 +194,18 @@ async def adapter_round(
     results = await asyncio.gather(*(sync(p, row, err) for p, (row, err) in zip(live, read, strict=True)))
     retried = any(r.is_failed_attempt for r in results)
     has_failure = st.summarize(results, want, attempts).has_failure
-    attempts = st.next_attempts(attempts, has_failure, retried)
+    attempts = attempts if stay_failed else st.next_attempts(attempts, has_failure, retried)
     new = st.adapter_status(
         results,
         want,
         status,
+        name=name,
         attempts=attempts,
         last_attempt=now if retried else last,
         generation=generation,
         now=now,
+        retry=retry,
+        stay_failed=stay_failed,
     )
     return RoundOutcome(new, next_delay(new))
 

@@ -321,6 +321,7 @@ def server_status(
         "replicas": int(dep_status.get("replicas") or 0),
         "readyReplicas": int(dep_status.get("readyReplicas") or 0),
         "selector": builders.selector_string(name),
+        "autoscaling": builders.autoscaler_kind(spec),
         "endpoints": {p.name: p.url(port) for p in ready_pods(pods)},
         "model": model,
         "conditions": [

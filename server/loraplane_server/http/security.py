@@ -46,6 +46,15 @@ def check_source(uri: str, allow: list[str], param: str) -> AdapterSource:
             param=param,
             code="source_not_allowed",
         )
+    if source.kind == "local" and source.path is not None and not source.path.is_dir():
+        # checked after the allowlist, so nobody learns what exists outside it; a source that cannot load
+        # is refused now, not turned into a failed load that a caller (or the operator) must poll for
+        raise ApiError(
+            400,
+            f"adapter directory {source.uri} does not exist on this server",
+            param=param,
+            code="adapter_source_missing",
+        )
     return source
 
 
