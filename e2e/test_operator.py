@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -252,7 +253,7 @@ def test_a_crds_and_samples_apply_and_schema_rejects_invalid(env: Env) -> None:
         rejected.value
     )
     bad_tier = adapter_manifest("bad-tier", SERVER, str(env.adapters_dir / "french"), tier="gpu")
-    with pytest.raises(KubectlError, match=r'Unsupported value: "gpu"'):
+    with pytest.raises(KubectlError, match=r"prewarm.tier must be one of device, host, disk or none$"):
         kubectl.apply(bad_tier, env.namespace)
     bad_server = local_server_sample(env.adapters_dir)
     bad_server["metadata"]["name"] = "bad-scaling"
@@ -295,7 +296,7 @@ def test_b_server_deployment_service_and_ready_pods(env: Env) -> None:
 
 
 def test_c_adapters_prewarmed_on_every_pod_and_serve(env: Env) -> None:
-    # the broken adapter of scenario g goes in now: its retries (about 75 s of backoff) overlap d, e, f
+    # the broken adapter of scenario g goes in now (refused at once; g checks it stays so)
     broken = adapter_manifest(BROKEN, SERVER, str(env.adapters_dir / "does-not-exist"), tier="host")
     env.kubectl.apply(broken, env.namespace)
 
@@ -436,30 +437,29 @@ def test_f_deleted_adapter_is_unloaded_everywhere(env: Env) -> None:
 
 
 def test_g_broken_source_fails_alone(env: Env) -> None:
-    def failed() -> dict[str, Any] | None:
-        """Failed, and every pod's row read back as failed (a pod that joined late may still be loading it
-        when the phase flips; the next residency round, 15 s later, shows its failure too)."""
-        lora = env.lora(BROKEN)
-        status = lora.get("status") or {}
-        residency = status.get("residency") or []
-        pods = names(ready_server_pods(env.kubectl, env.namespace, SERVER))
-        settled = sorted(e["pod"] for e in residency) == pods and all(e.get("state") == "failed" for e in residency)
-        return lora if status.get("phase") == "Failed" and settled else None
+    """A source missing on the pods is refused at registration (a 4xx): Failed at once with the reason, one
+    attempt, never re-sent, and the other adapters untouched."""
 
-    lora = wait_until(failed, timeout=240, what=f"LoRAAdapter {BROKEN} Failed", interval=2)
+    def failed() -> dict[str, Any] | None:
+        lora = env.lora(BROKEN)
+        return lora if (lora.get("status") or {}).get("phase") == "Failed" else None
+
+    lora = wait_until(failed, timeout=60, what=f"LoRAAdapter {BROKEN} Failed", interval=1)
     status = lora["status"]
     assert "does not exist" in status["message"], status["message"]
-    assert status["readyReplicas"] == 0
+    assert "loraplane.dev/retry" in status["message"]  # says how to retry
+    assert status["attempts"] == 1 and status["readyReplicas"] == 0, status
     ready = next(c for c in status["conditions"] if c["type"] == "Ready")
     assert ready["status"] == "False" and ready["reason"] == "Failed"
-    assert all("does not exist" in (e.get("lastError") or "") for e in status["residency"]), status["residency"]
     pods = ready_server_pods(env.kubectl, env.namespace, SERVER)
     wait_adapters_on(env, list(ADAPTER_NAMES), names(pods), timeout=30)  # the others are untouched
     for pod in pods:
-        assert adapter_rows(pod)[BROKEN]["state"] == "failed"
+        assert BROKEN not in adapter_rows(pod)  # refused, so never registered
         assert env.complete(pod, "pirate") == env.outputs["pirate"]
     printed = env.kubectl("get", "lora", BROKEN, "-n", env.namespace)
     assert "Failed" in printed
+    time.sleep(20)  # a few operator rounds later: still Failed, still one attempt
+    assert env.lora(BROKEN)["status"]["attempts"] == 1 and env.lora(BROKEN)["status"]["phase"] == "Failed"
 
 
 # h. scaling through the scale subresource
