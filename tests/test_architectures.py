@@ -29,6 +29,7 @@ from loraplane_server.lora.weights import AdapterError, load_lora
 from loraplane_server.models import registry
 from loraplane_server.models.llama import ModelArgs
 from loraplane_server.sampling_params import SamplingParams
+from loraplane_server.sources import ModelSourceError
 
 VOCAB = 512
 # variants: the tiny kind and its config overrides
@@ -230,7 +231,10 @@ def write_checkpoint(path: Path, **cfg: object) -> Path:
 def test_unsupported_architectures_fail_at_start_with_the_supported_list(cfg: dict, named: str, tmp_path: Path) -> None:
     model_dir = write_checkpoint(tmp_path / "m", **cfg)
     with pytest.raises(registry.UnsupportedModelError) as err:
+        registry.family_of(json.loads((model_dir / "config.json").read_text()))
+    with pytest.raises(ModelSourceError) as at_start:  # the model store checks config.json before any weight
         LLMEngine(EngineConfig(model=str(model_dir), dtype="float32"))
+    assert str(at_start.value) == f"config.json: {err.value}"
     message = str(err.value)
     assert named in message and "is not supported" in message
     for listed in ("llama (LlamaForCausalLM)", "qwen3 (Qwen3ForCausalLM)", "phi3 (Phi3ForCausalLM)"):
