@@ -164,7 +164,7 @@ def failed(env: Env, name: str) -> dict[str, Any] | None:
 
 
 def retry_hint(name: str) -> str:
-    return f"; to retry: kubectl annotate lora {name} {RETRY_ANNOTATION}=$(date +%s) --overwrite"
+    return f"; to retry: kubectl annotate lora {name} -n {NAMESPACE} {RETRY_ANNOTATION}=$(date +%s) --overwrite"
 
 
 def max_attempts() -> int:

@@ -152,10 +152,10 @@ def test_a_new_retry_annotation_wakes_the_daemon():
     def woken(event_type: str, retry: str | None, observed: str | None) -> bool:
         ctx.wakeups.clear()
         annotations = {} if retry is None else {c.RETRY_ANNOTATION: retry}
-        handlers.adapter_retry_asked(
+        asyncio.run(handlers.adapter_retry_asked(
             event={"type": event_type}, name="fr", namespace="ml", meta={"annotations": annotations},
             status={"observedRetry": observed} if observed else {}, memo=memo,
-        )  # fmt: skip
+        ))  # fmt: skip
         return ctx.wakeup("ml", "fr").is_set()
 
     assert woken("MODIFIED", "2", "1") and woken("MODIFIED", "1", None) and woken(None, "2", "1")

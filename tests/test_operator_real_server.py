@@ -80,7 +80,7 @@ def assert_fails_at_once_and_stays_failed(server: ServerProcess, source: str, re
     assert status["phase"] == c.PHASE_FAILED, status
     assert status["attempts"] == 1 and reason in status["message"], status["message"]
     assert status["message"].endswith(
-        "to retry: kubectl annotate lora french loraplane.dev/retry=$(date +%s) --overwrite"
+        "to retry: kubectl annotate lora french -n ml loraplane.dev/retry=$(date +%s) --overwrite"
     )
     for _ in range(3):  # later rounds (even with the backoff long past) only read the pod
         status = {**status, "lastAttemptTime": "2000-01-01T00:00:00Z"}

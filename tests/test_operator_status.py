@@ -86,29 +86,44 @@ def test_needs_prewarm():
     assert not st.needs_prewarm(row("loading", "disk"), "host", force=False, can_retry=True)
     assert st.needs_prewarm(row("failed"), "host", force=False, can_retry=True)
     assert not st.needs_prewarm(row("failed"), "host", force=True, can_retry=False)
+    refused = row("failed", "source", error_transient=False)  # the server says only a new source can fix it
+    assert not st.needs_prewarm(refused, "host", force=False, can_retry=True)
+    assert st.needs_prewarm(refused, "host", force=True, can_retry=True)  # a spec change or a retry re-sends it
 
 
 @pytest.mark.parametrize(
-    ("r", "tier", "expected"),
+    ("r", "tier", "exact", "relaxed"),
     [
-        (row("ready", "device"), "host", True),  # warmer: demote
-        (row("ready", "device"), "disk", True),
-        (row("ready", "host"), "device", True),  # colder: promote
-        (row("ready", "disk"), "device", True),
-        (row("registered", "source"), "disk", True),
-        (row("ready", "host"), "host", False),
-        (row("ready", "device", target_tier="host"), "host", False),  # already moving there
-        (row("ready", "device", target_tier="disk"), "host", True),
-        (row("ready", "device"), "none", False),  # registered only: any tier will do
-        (row("loading", "disk"), "host", False),
-        (row("failed", "source"), "host", False),  # a failed load is registered again, not moved
-        (None, "host", False),
+        (row("ready", "device"), "host", True, False),  # warmer: demote until settled, then a floor
+        (row("ready", "device"), "disk", True, False),
+        (row("ready", "host"), "device", True, True),  # colder: promote, always
+        (row("ready", "disk"), "device", True, True),
+        (row("registered", "source"), "disk", True, True),
+        (row("ready", "host"), "host", False, False),
+        (row("ready", "device", target_tier="host"), "host", False, False),  # already moving there
+        (row("ready", "device", target_tier="disk"), "host", True, True),  # moving past the goal
+        (row("ready", "device"), "none", True, False),  # registered only: demoted to disk at most
+        (row("ready", "host"), "none", True, False),
+        (row("ready", "disk"), "none", False, False),
+        (row("registered", "source"), "none", False, False),
+        (row("loading", "disk"), "host", False, False),
+        (row("failed", "source"), "host", False, False),  # a failed load is registered again, not moved
+        (None, "host", False, False),
     ],
 )
-def test_tier_goal_is_exact(r, tier, expected):
-    assert st.needs_tier_call(r, tier) is expected
-    assert st.reached(r, tier) is (r is not None and tier in (r["tier"], "none") and r["state"] not in (
-        "loading", "failed") and r.get("target_tier") in (None, tier))  # fmt: skip
+def test_tier_goal_exact_until_settled_then_a_floor(r, tier, exact, relaxed):
+    assert st.needs_tier_call(r, tier) is exact
+    assert st.needs_tier_call(r, tier, exact=False) is relaxed
+
+
+def test_reached_and_goal_tier():
+    assert st.reached(row("ready", "host"), "host") and st.reached(row("ready", "device"), "host", exact=False)
+    assert not st.reached(row("ready", "device"), "host") and not st.reached(row("ready", "disk"), "host", exact=False)
+    moving = row("ready", "device", target_tier="host")  # a demotion waiting for running requests
+    assert st.pod_condition(moving, "host") == "moving" and st.pod_condition(moving, "host", exact=False) == "ready"
+    assert st.reached(row("ready", "device"), "none", exact=False) and not st.reached(row("ready", "device"), "none")
+    assert st.goal_tier("none") == "disk" and st.goal_tier("device") == "device"
+    assert st.is_moving(row("ready", "device", target_tier="disk"), "none")
 
 
 def test_choose_tiers_all_or_n_pods_keeping_those_that_have_it():
@@ -131,6 +146,12 @@ def test_backoff_and_retry_budget():
     assert st.next_attempts(3, has_failure=True, retried=True) == 4
     assert st.next_attempts(3, has_failure=True, retried=False) == 3
     assert st.next_attempts(c.MAX_ATTEMPTS, has_failure=True, retried=True) == c.MAX_ATTEMPTS  # never past it
+    assert st.next_attempts(3, has_failure=False, retried=False, is_loading=True) == 3  # a re-sent load runs
+    failed, refused = row("failed", "source"), row("failed", "source", error_transient=False)
+    assert st.failed_load_action(refused, 0, True) == "refused"
+    assert st.failed_load_action(failed, 0, True) == "retry"
+    assert st.failed_load_action(failed, 2, False) == "wait"
+    assert st.failed_load_action(failed, c.MAX_ATTEMPTS - 1, True) == "give_up"  # this one uses the last attempt
     assert not st.can_retry(0, None, is_failed=True)
 
 
@@ -376,6 +397,8 @@ class FakePod:
 
     def __init__(self, fail_with: str | None = None) -> None:
         self.fail_with = fail_with
+        self.background = False  # with fail_with: POST answers "loading", the failed row shows on the next read
+        self.transient: bool | None = None  # the failed row's error_transient (None: absent)
         self.refuse: int | None = None  # answer POST /v1/adapters with this 4xx/5xx (e.g. 403 not allowed)
         self.tier_calls: list[tuple[str, str]] = []
         self.delete_status: int | None = None  # e.g. 409 while "requests use it"
@@ -419,11 +442,14 @@ class FakePod:
                 r = {"id": body["id"], "source": body.get("source"), "state": state, "tier": tier, "rank": 8}
                 if pod.fail_with:
                     r.update(state="failed", tier="source", last_error=pod.fail_with)
+                    if pod.transient is not None:
+                        r["error_transient"] = pod.transient
                 old = pod.adapters.get(body["id"]) or {}
                 if c.TIER_RANK.get(old.get("tier", "none"), 3) < c.TIER_RANK[body["tier"]]:
                     r["tier"] = old["tier"]  # POST /v1/adapters loads to at least the tier: it never demotes
                 pod.adapters[body["id"]] = r
-                self._send(200, r)
+                answer = {**r, "state": "loading", "tier": "source"} if pod.fail_with and pod.background else r
+                self._send(200, {k: v for k, v in answer.items() if not (pod.background and k == "last_error")})
 
             def do_DELETE(self) -> None:
                 adapter_id = self.path.rsplit("/", 1)[-1]
@@ -549,6 +575,77 @@ def test_transient_refusals_retry_up_to_the_limit(fake_pods):
         status = out.status
         assert status["attempts"] <= c.MAX_ATTEMPTS
     assert status["phase"] == "Failed" and len(pod.posts) == c.MAX_ATTEMPTS
+
+
+def test_background_load_failures_are_counted_and_retries_stop(fake_pods):
+    """The server answers a prewarm with "loading" and the load fails later: each failure read is an attempt,
+    re-sent after the backoff, until the limit; then Failed and never re-sent."""
+    pod = fake_pods(fail_with="adapter_model.safetensors: connection reset")
+    pod.background = True
+    status: dict = {}
+    for _ in range(2 * c.MAX_ATTEMPTS + 2):
+        (out,) = run_round([("smollm2-a", pod)], SPEC, {**status, "lastAttemptTime": "2000-01-01T00:00:00Z"})
+        status = out.status
+        assert status["attempts"] <= c.MAX_ATTEMPTS
+    assert status["phase"] == "Failed" and status["attempts"] == c.MAX_ATTEMPTS, status
+    assert "connection reset" in status["message"] and len(pod.posts) == c.MAX_ATTEMPTS
+
+
+def test_background_failures_wait_for_the_backoff(fake_pods):
+    pod = fake_pods(fail_with="503 from the store")
+    pod.background = True
+    (first,) = run_round([("smollm2-a", pod)], SPEC, {})
+    (second,) = run_round([("smollm2-a", pod)], SPEC, first.status)  # failed: counted and re-sent at once
+    assert second.status["attempts"] == 1 and len(pod.posts) == 2
+    (third,) = run_round([("smollm2-a", pod)], SPEC, second.status)  # failed again, within the backoff
+    assert len(pod.posts) == 2 and third.status["attempts"] == 1
+    assert third.status["phase"] == "Loading" and "retrying (attempt 1/5)" in third.status["message"]
+
+
+def test_a_permanent_background_failure_fails_at_once(fake_pods):
+    pod = fake_pods(fail_with="adapter_config.json: not valid JSON")
+    pod.background, pod.transient = True, False
+    (first,) = run_round([("smollm2-a", pod)], SPEC, {})
+    assert first.status["phase"] == "Loading" and first.status["attempts"] == 0
+    (out,) = run_round([("smollm2-a", pod)], SPEC, first.status)
+    assert out.status["phase"] == "Failed" and out.status["attempts"] == 1 and "not valid JSON" in out.status["message"]
+    for _ in range(3):
+        (out,) = run_round([("smollm2-a", pod)], SPEC, {**out.status, "lastAttemptTime": "2000-01-01T00:00:00Z"})
+    assert len(pod.posts) == 1 and out.status["phase"] == "Failed"
+
+
+def test_once_settled_the_tier_is_a_floor(fake_pods):
+    """Traffic warmed the adapter past the spec's tier: left so; fallen below it: promoted back; a new tier in
+    the spec: exactly that tier again."""
+    pod = fake_pods()
+    spec = {**SPEC, "prewarm": {"tier": "host"}}
+    (out,) = run_round([("smollm2-a", pod)], spec, {})
+    assert out.status["phase"] == "Ready" and out.status["settledGeneration"] == 1
+    pod.adapters["french"]["tier"] = "device"  # a request promoted it
+    (out,) = run_round([("smollm2-a", pod)], spec, out.status)
+    assert pod.tier_calls == [] and out.status["phase"] == "Ready"
+    assert out.status["message"] == "at tier host or warmer on 1/1 pods" and out.status["pods"] == "smollm2-a:device"
+    pod.adapters["french"]["tier"] = "disk"  # the host cache's LRU let it fall
+    (out,) = run_round([("smollm2-a", pod)], spec, out.status)
+    assert pod.tier_calls == [("french", "host")] and out.status["residency"][0]["tier"] == "host"
+    pod.adapters["french"]["tier"] = "device"
+    (out,) = run_round([("smollm2-a", pod)], {**SPEC, "prewarm": {"tier": "disk"}}, out.status, generation=2)
+    assert pod.tier_calls[-1] == ("french", "disk") and out.status["settledGeneration"] == 2
+    assert out.status["message"] == "at tier disk on 1/1 pods"
+
+
+def test_a_failed_adapter_stays_failed_while_no_pod_is_ready():
+    failed = {
+        "phase": "Failed",
+        "message": "refused: 403",
+        "attempts": 1,
+        "observedRetry": "7",
+        "observedGeneration": 3,
+    }
+    status = st.pending_status("no Ready pod of BaseModelServer 'smollm2' yet", failed, 3, NOW)
+    assert status["phase"] == "Failed" and status["message"] == "refused: 403"
+    assert status["attempts"] == 1 and status["observedRetry"] == "7"
+    assert st.pending_status("no Ready pod", failed, 4, NOW)["phase"] == "Pending"  # a new spec: not failed yet
 
 
 def test_the_retry_annotation_resets_a_failed_adapter(fake_pods):

@@ -1,6 +1,11 @@
-"""Pure LoRAAdapter logic: what each pod should hold (exactly the spec's tier), which pods need a prewarm or a
-tier call, bounded retries (a 4xx refusal fails at once), and the status (per-pod residency as the pods report
-it, ready/desired counts, phase, conditions) aggregated from the pods' admin API rows."""
+"""Pure LoRAAdapter logic: what each pod should hold, which pods need a prewarm or a tier call, bounded retries
+(a refusal fails at once), and the status (per-pod residency as the pods report it, ready/desired counts, phase,
+conditions) aggregated from the pods' admin API rows.
+
+The spec's tier is reached exactly until a round first finds every chosen pod there (`settledGeneration`):
+a lowered tier demotes, a raised one promotes. After that it is a floor: traffic may warm the adapter further
+(the engine's own cache decides) and the operator leaves it so, but promotes it back if the cache lets it
+fall below the tier."""
 
 from __future__ import annotations
 
@@ -47,34 +52,50 @@ class PodResult:
     error: str | None = None
     attempted: bool = False  # this round called the pod for it (a prewarm, or a read that failed)
     permanent: bool = False  # the error is a refusal that retrying cannot change (a 4xx)
+    found_failed: bool = False  # this round read a failed background load and counted it
+    exact: bool = True  # the goal is exactly `tier` (else `tier` or warmer)
 
     @property
     def is_refusal(self) -> bool:
         """A failure retrying cannot change: a 4xx refusal, or a load the server says only a new source can fix
         (its row's error_transient is False: a broken adapter, a missing file; True or absent: may pass)."""
-        row = self.row or {}
-        return self.permanent or (row.get("state") == "failed" and row.get("error_transient") is False)
+        return self.permanent or is_refused_row(self.row)
 
     @property
     def is_failed_attempt(self) -> bool:
-        return self.attempted and pod_condition(self.row, self.tier, self.error) in ("failed", "error")
+        """This round counts a failure on the pod: a call that failed, or a failed load it read and acted on."""
+        return self.found_failed or (self.attempted and self.condition in ("failed", "error"))
+
+    @property
+    def condition(self) -> str:
+        return pod_condition(self.row, self.tier, self.error, exact=self.exact)
 
 
-def reached(row: Row | None, tier: str) -> bool:
-    """The pod reports the adapter at exactly `tier`, settled (not loading, failed or moving to another tier)."""
+def goal_tier(tier: str) -> str:
+    """The tier a tier call moves the adapter to: "none" (registered only) demotes to disk at most."""
+    return "disk" if tier == "none" else tier
+
+
+def reached(row: Row | None, tier: str, *, exact: bool = True) -> bool:
+    """The pod reports the adapter settled (not loading, failed or moving to another tier) at `tier`: exactly,
+    or with exact=False at `tier` or warmer. For "none" any tier will do, or with exact disk or colder."""
     if row is None or row.get("state") in ("loading", "failed"):
         return False
+    if row.get("target_tier") not in (None, row.get("tier"), goal_tier(tier)):
+        return False
+    rank, goal = c.TIER_RANK.get(str(row.get("tier")), c.TIER_RANK["source"]), c.TIER_RANK[goal_tier(tier)]
     if tier == "none":
-        return True
-    return row.get("tier") == tier and row.get("target_tier") in (None, tier)
+        return not exact or rank >= goal
+    return rank == goal if exact else rank <= goal
 
 
 def is_moving(row: Row | None, tier: str) -> bool:
-    """The server is moving the adapter to `tier` (a demotion waiting for running requests)."""
-    return row is not None and tier != "none" and row.get("target_tier") == tier and row.get("tier") != tier
+    """The server is moving the adapter to the tier's goal (a demotion waiting for running requests)."""
+    goal = goal_tier(tier)
+    return row is not None and row.get("target_tier") == goal and row.get("tier") != goal
 
 
-def pod_condition(row: Row | None, tier: str, error: str | None = None) -> str:
+def pod_condition(row: Row | None, tier: str, error: str | None = None, *, exact: bool = True) -> str:
     """error | missing | failed | loading | ready | moving (to the tier) | off (at another tier, or never loaded)."""
     if error is not None:
         return "error"
@@ -83,22 +104,30 @@ def pod_condition(row: Row | None, tier: str, error: str | None = None) -> str:
     state = row.get("state")
     if state in ("failed", "loading"):
         return str(state)
-    if reached(row, tier):
+    if reached(row, tier, exact=exact):
         return "ready"
     return "moving" if is_moving(row, tier) else "off"
 
 
+def is_refused_row(row: Row | None) -> bool:
+    """A failed load the server says only a new source can fix (error_transient False: a broken adapter, a
+    missing file); True or absent: a retry may pass."""
+    return row is not None and row.get("state") == "failed" and row.get("error_transient") is False
+
+
 def needs_prewarm(row: Row | None, tier: str, *, force: bool, can_retry: bool) -> bool:
     """POST /v1/adapters to this pod (register with the source, load, pin)? On a spec change or a retry
-    (`force`), else when unknown there or failed, and only while the retry budget allows."""
+    (`force`), else when unknown there or failed (unless the server calls the failure permanent), and only
+    while the retry budget allows."""
     if not can_retry:
         return False
-    return force or pod_condition(row, tier) in ("missing", "failed")
+    return force or row is None or (row.get("state") == "failed" and not is_refused_row(row))
 
 
-def needs_tier_call(row: Row | None, tier: str) -> bool:
-    """POST /v1/adapters/{id}/tier: the pod reports the adapter settled at a tier other than the goal."""
-    return row is not None and tier != "none" and pod_condition(row, tier) == "off"
+def needs_tier_call(row: Row | None, tier: str, *, exact: bool = True) -> bool:
+    """POST /v1/adapters/{id}/tier: the pod reports the adapter settled off the goal (any other tier while
+    `exact`, else only a colder one)."""
+    return row is not None and pod_condition(row, tier, exact=exact) == "off"
 
 
 def choose_tiers(pods: Sequence[str], rows: Mapping[str, Row | None], want: AdapterWant) -> dict[str, str]:
@@ -106,7 +135,7 @@ def choose_tiers(pods: Sequence[str], rows: Mapping[str, Row | None], want: Adap
     it first, then by name) with the rest registered only, so every pod can still serve it on demand."""
     if want.replicas is None:
         return {p: want.tier for p in pods}
-    ranked = sorted(pods, key=lambda p: (not reached(rows.get(p), want.tier), p))
+    ranked = sorted(pods, key=lambda p: (not reached(rows.get(p), want.tier, exact=False), p))
     chosen = set(ranked[: want.replicas])
     return {p: (want.tier if p in chosen else "none") for p in pods}
 
@@ -123,17 +152,30 @@ def can_retry(attempts: int, last_attempt_age_s: float | None, *, is_failed: boo
     return last_attempt_age_s is None or attempts == 0 or last_attempt_age_s >= backoff_s(attempts)
 
 
-def next_attempts(previous: int, has_failure: bool, retried: bool) -> int:
-    """Consecutive rounds that met a failure: reset by a clean round, counted when a call this round failed,
-    never past the limit."""
+def next_attempts(previous: int, has_failure: bool, retried: bool, is_loading: bool = False) -> int:
+    """Consecutive rounds that met a failure: reset by a clean, settled round (a load still running keeps the
+    count, so a background load that fails again is counted on), counted when this round met a failure, never
+    past the limit."""
     if not has_failure:
-        return 0
+        return previous if is_loading else 0
     return min(previous + 1, c.MAX_ATTEMPTS) if retried else previous
 
 
-def retry_hint(name: str) -> str:
+def failed_load_action(row: Row | None, attempts: int, can_retry: bool) -> str:
+    """What a round does about a pod whose background load it finds failed (the attempt behind it ended
+    after the last round): "refused" (permanent: count it, never re-send), "give_up" (this failure uses the
+    last attempt: count it), "retry" (count it and re-send) or "wait" (the backoff has not passed yet)."""
+    if is_refused_row(row):
+        return "refused"
+    if attempts + 1 >= c.MAX_ATTEMPTS:
+        return "give_up"
+    return "retry" if can_retry else "wait"
+
+
+def retry_hint(name: str, namespace: str = "") -> str:
     """How an admin retries a Failed adapter without editing its spec (the operator resets its attempts)."""
-    return f"; to retry: kubectl annotate lora {name} {c.RETRY_ANNOTATION}=$(date +%s) --overwrite"
+    where = f" -n {namespace}" if namespace else ""
+    return f"; to retry: kubectl annotate lora {name}{where} {c.RETRY_ANNOTATION}=$(date +%s) --overwrite"
 
 
 @dataclass(frozen=True)
@@ -148,7 +190,7 @@ class Summary:
 
 def summarize(results: Sequence[PodResult], want: AdapterWant, attempts: int) -> Summary:
     """Phase and message from the pods' conditions (no pods: Pending, set by the caller)."""
-    conds = {r.pod: pod_condition(r.row, r.tier, r.error) for r in results}
+    conds = {r.pod: r.condition for r in results}
     targets = [r for r in results if r.tier == want.tier]
     ready = sum(conds[r.pod] == "ready" for r in targets)
     failures = [r for r in results if conds[r.pod] in ("failed", "error")]
@@ -156,7 +198,9 @@ def summarize(results: Sequence[PodResult], want: AdapterWant, attempts: int) ->
     desired = len(targets)
     if not failures:
         phase = c.PHASE_READY if ready >= desired and not is_loading else c.PHASE_LOADING
-        message = f"at tier {want.tier} on {ready}/{desired} pods" if phase == c.PHASE_READY else "loading"
+        warmer = any((r.row or {}).get("tier") != want.tier for r in targets)
+        where = f"{want.tier} or warmer" if warmer and want.tier != "none" else want.tier
+        message = f"at tier {where} on {ready}/{desired} pods" if phase == c.PHASE_READY else "loading"
         return Summary(phase, message, ready, desired, False, is_loading)
     refusals = [r for r in failures if r.is_refusal]
     first = (refusals or failures)[0]
@@ -223,16 +267,18 @@ def adapter_status(
     now: str,
     retry: str | None = None,
     stay_failed: bool = False,
+    namespace: str = "",
 ) -> dict[str, Any]:
     """The whole LoRAAdapter status after a round over `results` (one per Ready pod of the server).
-    `stay_failed`: the adapter was Failed and nobody asked for a retry: phase and message are kept, the
-    residency still follows the pods. `retry`: the retry annotation's value this round acted on."""
+    `stay_failed`: the adapter was Failed and nobody asked for a retry: phase and message are kept (unless
+    the pods now hold it as the spec says), the residency still follows the pods. `retry`: the retry
+    annotation's value this round acted on."""
     s = summarize(results, want, attempts)
     phase, message = s.phase, s.message
-    if stay_failed:
+    if stay_failed and phase != c.PHASE_READY:
         phase, message = c.PHASE_FAILED, str(previous.get("message") or "failed")
     elif phase == c.PHASE_FAILED:
-        message += retry_hint(name)
+        message += retry_hint(name, namespace)
     rows = [r.row for r in results if r.row]
     entries = residency(results, previous.get("residency") or [], now)
     status: dict[str, Any] = {
@@ -252,6 +298,9 @@ def adapter_status(
         status["lastAttemptTime"] = last_attempt
     if generation is not None:
         status["observedGeneration"] = generation
+    settled = generation if phase == c.PHASE_READY else previous.get("settledGeneration")
+    if settled is not None:
+        status["settledGeneration"] = settled
     for key, field in (("rank", "rank"), ("sizeBytes", "size_bytes")):
         value = next((r[field] for r in rows if r.get(field) is not None), None)
         if value is not None:
@@ -260,19 +309,26 @@ def adapter_status(
 
 
 def pending_status(message: str, previous: Mapping[str, Any], generation: int | None, now: str) -> dict[str, Any]:
-    """No pod to talk to yet: the server is missing or has no Ready pod."""
+    """No pod to talk to: the server is missing or has no Ready pod. A Failed adapter of this generation stays
+    Failed (so no pod gets it again until a retry is asked), and the retry bookkeeping is kept."""
+    failed = previous.get("phase") == c.PHASE_FAILED and previous.get("observedGeneration") == generation
+    phase = c.PHASE_FAILED if failed else c.PHASE_PENDING
+    message = str(previous.get("message") or message) if failed else message
     status: dict[str, Any] = {
-        "phase": c.PHASE_PENDING,
+        "phase": phase,
         "message": message,
         "ready": "0/0",
         "readyReplicas": 0,
         "desiredReplicas": 0,
         "residency": [],
         "pods": "",
-        "conditions": [ready_condition(c.PHASE_PENDING, message, generation, previous.get("conditions") or [], now)],
+        "conditions": [ready_condition(phase, message, generation, previous.get("conditions") or [], now)],
     }
     if generation is not None:
         status["observedGeneration"] = generation
+    for key in ("attempts", "lastAttemptTime", "observedRetry", "settledGeneration"):
+        if previous.get(key) is not None:
+            status[key] = previous[key]
     return status
 
 
@@ -296,5 +352,6 @@ ADAPTER_STATUS_KEYS = frozenset(
     {
         "phase", "message", "ready", "readyReplicas", "desiredReplicas", "residency", "attempts",
         "lastAttemptTime", "observedGeneration", "rank", "sizeBytes", "conditions", "pods", "observedRetry",
+        "settledGeneration",
     }
 )  # fmt: skip

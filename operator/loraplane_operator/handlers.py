@@ -209,13 +209,13 @@ async def _sleep(wake: asyncio.Event, stopped: kopf.DaemonStopped, delay_s: floa
 
 
 @kopf.on.update(*LORA, field="spec")
-def adapter_changed(name: str, namespace: str | None, memo: kopf.Memo, **_: Any) -> None:
+async def adapter_changed(name: str, namespace: str | None, memo: kopf.Memo, **_: Any) -> None:
     """The daemon sees the new generation and runs a forced round now instead of at its next tick."""
     _ctx(memo).wakeup(namespace or "", name).set()
 
 
 @kopf.on.event(*LORA)
-def adapter_retry_asked(
+async def adapter_retry_asked(
     event: kopf.RawEvent,
     name: str,
     namespace: str | None,

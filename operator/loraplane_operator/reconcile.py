@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from typing import Any
 
@@ -118,28 +118,30 @@ async def _sync_pod(
     tier: str,
     row: dict | None,
     *,
+    exact: bool,
     force: bool,
     can_retry: bool,
 ) -> st.PodResult:
-    """Register/prewarm on one pod if needed, then move it to exactly the wanted tier if it sits at another;
-    the pod's row afterwards (or the call's error, permanent for a 4xx refusal)."""
+    """Register/prewarm on one pod if needed, then move it to the wanted tier if it sits off the goal (any
+    other tier while `exact`, else a colder one); the pod's row afterwards (or the call's error, permanent
+    for a 4xx refusal)."""
     is_prewarm = st.needs_prewarm(row, tier, force=force, can_retry=can_retry)
-    if not is_prewarm and not (can_retry and st.needs_tier_call(row, tier)):
-        return st.PodResult(pod.name, tier, row)
+    if not is_prewarm and not (can_retry and st.needs_tier_call(row, tier, exact=exact)):
+        return st.PodResult(pod.name, tier, row, exact=exact)
     url = pod.url(port)
     admin = ctx.admin(url, token)
     try:
         async with ctx.slot(url):
             if is_prewarm:
                 row = await admin.prewarm(want.adapter_id, want.source, tier, want.pinned)
-            if st.needs_tier_call(row, tier):
-                row = await admin.set_tier(want.adapter_id, tier)
+            if st.needs_tier_call(row, tier, exact=exact):
+                row = await admin.set_tier(want.adapter_id, st.goal_tier(tier))
     except AdminError as exc:
         permanent = isinstance(exc, PermanentAdminError)
-        return st.PodResult(pod.name, tier, row, error=exc.message, attempted=True, permanent=permanent)
+        return st.PodResult(pod.name, tier, row, error=exc.message, attempted=True, permanent=permanent, exact=exact)
     if row is not None:
         ctx.residency.put(url, row)
-    return st.PodResult(pod.name, tier, row, attempted=True)
+    return st.PodResult(pod.name, tier, row, attempted=True, exact=exact)
 
 
 def next_delay(status: Mapping[str, Any]) -> float:
@@ -175,6 +177,7 @@ async def adapter_round(
         return RoundOutcome(st.pending_status(message, status, generation, now), c.ADAPTER_RESYNC_S)
     token = await server_token(ctx, server)
     force = status.get("observedGeneration") != generation or retry != status.get("observedRetry")
+    exact = status.get("settledGeneration") != generation  # the spec's tier exactly until first reached
     attempts = 0 if force else int(status.get("attempts") or 0)
     last = None if force else status.get("lastAttemptTime")
     stay_failed = not force and status.get("phase") == c.PHASE_FAILED
@@ -185,16 +188,28 @@ async def adapter_round(
     tiers = st.choose_tiers([p.name for p in live], rows, want)
 
     async def sync(pod: PodInfo, row: dict | None, error: str | None) -> st.PodResult:
+        tier = tiers[pod.name]
         if error is not None:  # an unreachable pod counts as an attempt only while retries are allowed
-            return st.PodResult(pod.name, tiers[pod.name], None, error=error, attempted=can_retry)
+            return st.PodResult(pod.name, tier, None, error=error, attempted=can_retry, exact=exact)
+        if row is not None and row.get("state") == "failed" and not force and not stay_failed:
+            # a background load that failed since the last round: an attempt, counted once, when acted on
+            action = st.failed_load_action(row, attempts, can_retry)
+            if action != "retry":
+                return st.PodResult(pod.name, tier, row, found_failed=action != "wait", exact=exact)
+            out = await _sync_pod(
+                ctx, pod, server.port, token, want, tier, row, exact=exact, force=force, can_retry=True
+            )
+            return replace(out, found_failed=True)
         return await _sync_pod(
-            ctx, pod, server.port, token, want, tiers[pod.name], row, force=force, can_retry=can_retry
+            ctx, pod, server.port, token, want, tier, row, exact=exact, force=force, can_retry=can_retry
         )
 
     results = await asyncio.gather(*(sync(p, row, err) for p, (row, err) in zip(live, read, strict=True)))
     retried = any(r.is_failed_attempt for r in results)
-    has_failure = st.summarize(results, want, attempts).has_failure
-    attempts = attempts if stay_failed else st.next_attempts(attempts, has_failure, retried)
+    summary = st.summarize(results, want, attempts)
+    has_failure = summary.has_failure or any(r.found_failed for r in results)  # re-sent: loading again
+    if not stay_failed:
+        attempts = st.next_attempts(attempts, has_failure, retried, summary.is_loading)
     new = st.adapter_status(
         results,
         want,
@@ -206,6 +221,7 @@ async def adapter_round(
         now=now,
         retry=retry,
         stay_failed=stay_failed,
+        namespace=server.namespace,
     )
     return RoundOutcome(new, next_delay(new))
 
