@@ -3,9 +3,11 @@ driven by the real huggingface_hub client for hf://, child processes killed half
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from conftest import save_tiny
+from filelock import FileLock, Timeout
 from hf_hub_server import HubServer, files_of
 from s3_server import MinioServer, minio_server  # noqa: F401 - the session fixture
 from safetensors.torch import load_file, save_file
@@ -21,9 +24,11 @@ from safetensors.torch import load_file, save_file
 from loraplane_server import model_store
 from loraplane_server.config import EngineConfig
 from loraplane_server.engine import LLMEngine
+from loraplane_server.http import state as http_state
+from loraplane_server.http.server_config import ServerConfig
 from loraplane_server.model_store import MANIFEST, Progress, resolve, verify
 from loraplane_server.sampling_params import SamplingParams
-from loraplane_server.sources import ModelSourceError
+from loraplane_server.sources import ModelSourceError, parse_source
 
 DEAD_ENDPOINT = "http://127.0.0.1:9"  # nothing listens: any network call fails
 
@@ -86,6 +91,19 @@ def greedy_ids(model_dir: Path) -> list[list[int]]:
     return [out.token_ids for out in engine.generate([[1, 2, 3, 4], [7, 8]], params)]
 
 
+class Killed(BaseException):
+    """A process killed at this point: no except clause of the store's sees it."""
+
+
+def damage(path: Path, how: str) -> None:
+    """Damage a cached file in place (as a disk or a careless hand would: hard links see it too)."""
+    if how == "delete":
+        path.unlink()
+    else:
+        with open(path, "r+b") as f:
+            f.truncate(path.stat().st_size - 100)
+
+
 # local directories and integrity
 
 
@@ -131,8 +149,11 @@ def test_verify_names_the_broken_file(tiny_model: Path, tmp_path: Path, damage: 
         index = json.loads((bad / "model.safetensors.index.json").read_text())
         index["weight_map"]["ghost.weight"] = shard1.name
         (bad / "model.safetensors.index.json").write_text(json.dumps(index))
-    with pytest.raises(ModelSourceError, match=match):
+    with pytest.raises(ModelSourceError, match=match) as info:
         verify(bad)
+    assert "delete it" not in str(info.value)  # nothing to delete: a cached copy is fetched again by itself
+    if damage in ("truncate", "garbage"):
+        assert str(info.value).startswith(str(bad / "model-0000"))  # the full path
 
 
 def test_pickle_only_and_unknown_models_are_clear_errors(tmp_path: Path) -> None:
@@ -261,6 +282,107 @@ def test_s3_corrupt_shard_is_never_used(s3_env: MinioServer, tiny_model: Path, t
     assert s3_env.get_object_count() - gets == 1  # only the replaced shard: the others were whole
 
 
+@pytest.mark.parametrize("how", ["truncate", "delete"])
+def test_s3_damaged_cached_shard_is_downloaded_again(
+    s3_env: MinioServer, tiny_model: Path, tmp_path: Path, how: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    s3_env.upload_dir(tiny_model, "models", "damaged")
+    cache = tmp_path / "cache"
+    entry = resolve("s3://models/damaged", cache)
+    shard2 = entry / "model-00002-of-00002.safetensors"
+    damage(shard2, how)
+    with pytest.raises(ModelSourceError, match=r"^s3://models/damaged: .*; start the server online to fetch it"):
+        resolve("s3://models/damaged", cache, offline=True)
+    gets, progress = s3_env.get_object_count(), Recorder("s3://models/damaged")
+    with caplog.at_level(logging.WARNING, logger="loraplane.model"):
+        assert resolve("s3://models/damaged", cache, progress=progress) == entry
+    assert any(f"the cached copy in {entry} is damaged" in r.getMessage() for r in caplog.records)
+    if how == "truncate":
+        assert any(f"{shard2}: corrupt safetensors file" in r.getMessage() for r in caplog.records)
+    assert s3_env.get_object_count() - gets == 5  # the whole entry again
+    assert "downloading" in progress.phases and progress.phases[-1] == "loading"
+    assert shard2.read_bytes() == (tiny_model / shard2.name).read_bytes()
+    assert sorted(p.name for p in entry.parent.iterdir()) == ["damaged", "damaged.lock"]  # nothing left over
+    assert resolve("s3://models/damaged", cache, offline=True) == entry
+
+
+def test_s3_unservable_cached_entry_is_kept(s3_env: MinioServer, tiny_model: Path, tmp_path: Path) -> None:
+    """A cached model this engine cannot serve (another version's cache) is an error, not damage to repair."""
+    s3_env.upload_dir(tiny_model, "models", "kept")
+    entry = resolve("s3://models/kept", tmp_path / "cache")
+    (entry / "config.json").write_bytes(GPT2_CONFIG)
+    gets = s3_env.get_object_count()
+    with pytest.raises(ModelSourceError, match=r"config.json: model_type 'gpt2'"):
+        resolve("s3://models/kept", tmp_path / "cache")
+    assert s3_env.get_object_count() == gets and (entry / "model-00001-of-00002.safetensors").is_file()
+
+
+def test_s3_killed_after_verifying_keeps_every_file(
+    s3_env: MinioServer, tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    s3_env.upload_dir(tiny_model, "models", "window")
+    cache, synced = tmp_path / "cache", []
+    real_replace, real_fsync = os.replace, getattr(model_store, "_fsync", None)
+
+    def replace(src: str | Path, dst: str | Path) -> None:
+        if str(src).endswith(".partial"):
+            raise Killed  # between the manifest and the rename into place
+        real_replace(src, dst)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(model_store.os, "replace", replace)
+        patch.setattr(model_store, "_fsync", lambda path: synced.append(path.name) or real_fsync(path), raising=False)
+        with pytest.raises(Killed):
+            resolve("s3://models/window", cache)
+    gets, progress = s3_env.get_object_count(), Progress("s3://models/window")
+    entry = resolve("s3://models/window", cache, progress=progress)
+    assert s3_env.get_object_count() == gets and progress.bytes_fetched == 0  # nothing downloaded again
+    assert sorted(p.name for p in entry.iterdir()) == sorted([MANIFEST, *(p.name for p in tiny_model.iterdir())])
+    assert sorted(synced) == sorted(f"{p.name}.part" for p in tiny_model.iterdir())  # each file, before it counts
+
+
+class RangeIgnored:
+    """An S3 client whose store ignores Range and always sends the whole object (with HTTP 200)."""
+
+    def __init__(self, client: object) -> None:
+        self._client = client
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._client, name)
+
+    def get_object(self, **kwargs: object) -> object:
+        kwargs.pop("Range", None)
+        return self._client.get_object(**kwargs)
+
+
+def test_s3_store_that_ignores_range_restarts_the_file(
+    s3_env: MinioServer, big_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    s3_env.upload_dir(big_model, "models", "norange")
+    cache, real_copy = tmp_path / "cache", model_store._copy_body
+
+    def copy_one_chunk(body, out, progress) -> None:  # noqa: ANN001
+        if not out.name.endswith("model.safetensors.part"):
+            return real_copy(body, out, progress)
+        out.write(body.read(model_store._CHUNK))
+        out.flush()
+        raise Killed
+
+    with monkeypatch.context() as patch:
+        patch.setattr(model_store, "_copy_body", copy_one_chunk)
+        with pytest.raises(Killed):
+            resolve("s3://models/norange", cache)
+    part = cache / "s3" / "models" / "norange.partial" / "model.safetensors.part"
+    assert part.stat().st_size == model_store._CHUNK
+    real_client = model_store.s3_client
+    monkeypatch.setattr(model_store, "s3_client", lambda *args: RangeIgnored(real_client(*args)))
+    progress = Progress("s3://models/norange")
+    entry = resolve("s3://models/norange", cache, progress=progress)
+    shard_bytes = (big_model / "model.safetensors").read_bytes()
+    assert (entry / "model.safetensors").read_bytes() == shard_bytes  # not the object after its first MiB
+    assert progress.bytes_fetched == len(shard_bytes) and progress.bytes_done == progress.bytes_total
+
+
 CHILD = """
 import json, sys
 from pathlib import Path
@@ -359,6 +481,7 @@ def test_hf_downloads_through_huggingface_hub(hub: HubServer, tiny_model: Path, 
     assert path.parent == cache / "hub" / "models--org--tiny" / "snapshots"
     assert sorted(p.name for p in path.iterdir()) == sorted(p.name for p in tiny_model.iterdir())
     assert progress.bytes_fetched == progress.bytes_total == sum(p.stat().st_size for p in tiny_model.iterdir())
+    assert progress.phases[:1] == ["downloading"] and progress.phases[-2:] == ["verifying", "loading"]
     assert hub.count("GET", r"/resolve/.*pytorch_model.bin|/sub/") == 0
     assert greedy_ids(path) == greedy_ids(tiny_model)
 
@@ -366,6 +489,28 @@ def test_hf_downloads_through_huggingface_hub(hub: HubServer, tiny_model: Path, 
     assert resolve("hf://org/tiny", cache) == path and hub.bytes_sent == sent  # cached: nothing downloaded
     v1 = resolve("hf://org/tiny@v1", cache)
     assert v1 != path and json.loads((v1 / "config.json").read_text())["note"] == "v1"
+
+
+def test_hf_damaged_blob_is_downloaded_again(hub: HubServer, tiny_model: Path, tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    path = resolve("hf://org/tiny", cache)
+    shard2 = path / "model-00002-of-00002.safetensors"
+    damage(shard2.resolve(), "truncate")  # the blob the snapshot links to
+    with pytest.raises(ModelSourceError, match=r"^hf://org/tiny: .*corrupt safetensors file.*fetch it again$"):
+        resolve("hf://org/tiny", cache, offline=True)
+    sent = hub.bytes_sent
+    assert resolve("hf://org/tiny", cache) == path
+    assert shard2.read_bytes() == (tiny_model / shard2.name).read_bytes()
+    assert hub.bytes_sent - sent >= shard2.stat().st_size  # fetched again (force_download)
+
+
+def test_hf_unexpected_error_keeps_its_scrubbed_message(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("HF_TOKEN", "hf_secret_token_value")
+    exc = RuntimeError("proxy said no to hf_secret_token_value\n" + "x" * 1000)
+    reason = model_store._hf_reason(exc, parse_source("hf://org/tiny"), tmp_path, offline=False)
+    assert reason.startswith("hf://org/tiny: download failed (RuntimeError: proxy said no to <HF_TOKEN> xxx")
+    assert "hf_secret" not in reason and len(reason) < 400 and reason.endswith("...)")
+    assert model_store._hf_reason(RuntimeError(), parse_source("hf://o/r"), tmp_path, False).endswith("(RuntimeError)")
 
 
 def test_hf_errors_say_what_to_fix(hub: HubServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -424,6 +569,7 @@ def test_hf_offline_from_the_cache_layout(tiny_model: Path, tmp_path: Path, monk
 
 def test_progress_as_ready_reports_it() -> None:
     progress = Progress("s3://b/m")
+    assert progress.as_dict()["phase"] == "resolving"  # not downloading: a local model never downloads
     progress.start(total=2000, done=500)
     progress.advance(500)
     assert progress.as_dict() == {"source": "s3://b/m", "phase": "downloading", "bytes_done": 1000, "bytes_total": 2000}
@@ -435,3 +581,82 @@ def test_engine_config_reaches_the_store(tiny_model: Path, tmp_path: Path) -> No
     listener = model_store.StartupListener(lambda _step: None, Recorder(str(tiny_model)))
     assert model_store.resolve_model(config, listener) == tiny_model
     assert listener.progress.phases[-1] == "loading"  # the listener's Progress is the one that moved
+
+
+def test_converted_entry_damaged_is_converted_again(
+    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A converted GGUF entry (the converter faked: the store's part is what happens around it)."""
+    gguf, conversions = tmp_path / "tiny.Q8_0.gguf", []
+    gguf.write_bytes(b"GGUF")
+
+    def convert(path: Path, out: Path) -> None:
+        conversions.append(path)
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.mkdir(parents=True)
+        for p in tiny_model.iterdir():
+            (tmp / p.name).write_bytes(p.read_bytes())
+        os.replace(tmp, out)
+
+    monkeypatch.setattr(model_store, "convert_gguf", convert)
+    cache = tmp_path / "cache"
+    out = resolve(str(gguf), cache)
+    assert resolve(str(gguf), cache) == out and len(conversions) == 1  # converted once
+    damage(out / "model-00001-of-00002.safetensors", "truncate")
+    progress = Recorder(str(gguf))
+    assert resolve(str(gguf), cache, progress=progress) == out and len(conversions) == 2
+    assert progress.phases == ["verifying", "converting", "verifying", "loading"]
+    verify(out)
+    (out / "config.json").write_bytes(GPT2_CONFIG)  # not damage: converting again would not help
+    with pytest.raises(ModelSourceError, match=r"config.json: model_type 'gpt2'"):
+        resolve(str(gguf), cache)
+    assert len(conversions) == 2
+
+
+def verified_under_lock(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """For each verify from now on: whether another process would find the entry's lock taken meanwhile."""
+    held, real_verify = [], model_store.verify
+
+    def verify_locked(path: Path, progress: Progress | None = None) -> None:
+        other = FileLock(str(path.with_name(path.name.removesuffix(".partial") + ".lock")))
+        try:
+            other.acquire(timeout=0)
+        except Timeout:
+            held.append(True)
+        else:
+            other.release()
+            held.append(False)
+        real_verify(path, progress)
+
+    monkeypatch.setattr(model_store, "verify", verify_locked)
+    return held
+
+
+def test_cached_entries_are_verified_under_their_lock(
+    s3_env: MinioServer, tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = tmp_path / "cache" / "gguf" / "x"
+    shutil.copytree(tiny_model, out)
+    held = verified_under_lock(monkeypatch)
+    assert model_store._convert_once("x", lambda: tmp_path, out, Progress("x")) == out and held == [True]
+    s3_env.upload_dir(tiny_model, "models", "locked")
+    resolve("s3://models/locked", tmp_path / "cache")  # verified as .partial, under the lock
+    resolve("s3://models/locked", tmp_path / "cache")  # verified as the cached entry
+    assert held == [True, True, True]
+
+
+def test_a_failed_start_logs_its_traceback_without_secrets(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "aws-secret-value-1234")
+
+    def engine(*_args: object) -> None:
+        raise RuntimeError("signed with aws-secret-value-1234")
+
+    monkeypatch.setattr(http_state, "LLMEngine", engine)
+    server = http_state.ServerState(ServerConfig())
+    with caplog.at_level(logging.INFO, logger="loraplane.http"):
+        asyncio.run(server.load())
+    assert "aws-secret-value-1234" not in caplog.text
+    assert "Traceback" in caplog.text and "RuntimeError: signed with <AWS_SECRET_ACCESS_KEY>" in caplog.text
+    assert server.lifecycle.error == "RuntimeError: signed with <AWS_SECRET_ACCESS_KEY>"

@@ -11,7 +11,8 @@ s3://bucket/prefix. Whatever is downloaded or converted lives under one cache di
 
 Every entry appears atomically (a directory renamed into place), so a half-written model is never loaded,
 and a file lock per entry makes a second process on a shared volume wait ("waiting") for the first one's
-download rather than race it. Before a model is used its files are verified (see `verify`).
+download rather than race it. Before a model is used its files are verified (see `verify`), under that lock;
+a cached entry that fails is discarded (with a warning) and fetched or converted once more.
 """
 
 from __future__ import annotations
@@ -47,12 +48,14 @@ from loraplane_server.sources import (
     parse_source,
     s3_client,
     s3_reason,
+    scrub_secrets,
 )
 
 log = logging.getLogger("loraplane.model")
 
 MANIFEST = ".loraplane-manifest.json"  # in a complete S3 entry: the ETag and size of each file
 _STARTED = ".loraplane-etags.json"  # in a .partial S3 entry: the ETag each file was started from
+_MAX_REASON = 300  # characters of an unexpected error's message kept in a reason
 _CHUNK = 1 << 20
 _TIMEOUT_S = 60.0
 # test-only: seconds to sleep after each chunk of an S3 download, so a test (or an e2e scenario) can kill a
@@ -73,7 +76,7 @@ class Progress:
 
     def __init__(self, source: str) -> None:
         self.source = source
-        self.phase = "downloading"  # waiting | downloading | verifying | converting | loading | ready
+        self.phase = "resolving"  # resolving | waiting | downloading | verifying | converting | loading | ready
         self.bytes_done = 0  # bytes of this source's files on disk, resumed or cached ones included
         self.bytes_total: int | None = None
         self.bytes_fetched = 0  # bytes this process transferred
@@ -112,6 +115,13 @@ class Progress:
                 self._bar.total = self.bytes_total
                 self._bar.update(nbytes)
         self._log_now()
+
+    def forget(self, nbytes: int) -> None:
+        """nbytes counted as done are to be fetched again (a resumed file that starts over)."""
+        with self._lock:
+            self.bytes_done -= nbytes
+            if self._bar is not None:
+                self._bar.update(-nbytes)
 
     def _log_now(self) -> None:
         if self._bar is not None:
@@ -200,19 +210,23 @@ def _resolve_local(uri: str, path: Path, cache_dir: Path, progress: Progress) ->
 
 
 def _convert_once(uri: str, gguf: Callable[[], Path], out: Path, progress: Progress) -> Path:
-    """A GGUF file dequantized into out, once (convert_gguf renames a finished directory into place)."""
+    """A GGUF file dequantized into out, once (convert_gguf renames a finished directory into place); a
+    converted directory that fails verification is converted again."""
     with _locked(out.with_name(out.name + ".lock"), progress):
-        if not (out / "config.json").is_file():
-            try:
-                path = gguf()
-            except FileNotFoundError as exc:
-                raise ModelSourceError(str(exc)) from exc
-            progress.set_phase("converting")
-            try:
-                convert_gguf(path, out)
-            except (ValueError, OSError, KeyError, RuntimeError) as exc:
-                raise ModelSourceError(f"{uri}: cannot convert the GGUF file ({type(exc).__name__}: {exc})") from exc
-    verify(out, progress)
+        if out.exists():
+            if _damage(out, uri, progress, "converting it again") is None:
+                return out
+            _discard(out)
+        try:
+            path = gguf()
+        except FileNotFoundError as exc:
+            raise ModelSourceError(str(exc)) from exc
+        progress.set_phase("converting")
+        try:
+            convert_gguf(path, out)
+        except (ValueError, OSError, KeyError, RuntimeError) as exc:
+            raise ModelSourceError(f"{uri}: cannot convert the GGUF file ({type(exc).__name__}: {exc})") from exc
+        verify(out, progress)
     return out
 
 
@@ -252,19 +266,43 @@ def verify(model_dir: Path, progress: Progress | None = None) -> None:
         _check_index(index, tensors)
 
 
+class _NotServable(ModelSourceError):
+    """config.json parses but names a model this engine cannot serve: fetching it again would not help."""
+
+
+def _damage(entry: Path, uri: str, progress: Progress, repair: str) -> ModelSourceError | None:
+    """Verify an entry that an earlier run left in the cache: None when it is whole, else why not (logged with
+    `repair`, what the caller does about it). A model this engine cannot serve raises: the entry is kept."""
+    try:
+        verify(entry, progress)
+    except _NotServable:
+        raise
+    except ModelSourceError as exc:
+        log.warning("model %s: the cached copy in %s is damaged (%s); %s", uri, entry, exc, repair)
+        return exc
+    return None
+
+
+def _discard(entry: Path) -> None:
+    """Remove a cache entry (the caller holds its lock): renamed away first, so it vanishes at once."""
+    old = entry.with_name(f"{entry.name}.old-{os.getpid()}")
+    os.replace(entry, old)
+    shutil.rmtree(old, ignore_errors=True)
+
+
 def _check_config(path: Path) -> None:
     try:
         config = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
         raise ModelSourceError(f"config.json: not valid JSON ({exc})") from exc
     if not isinstance(config, dict) or not config.get("model_type"):
-        raise ModelSourceError("config.json: no model_type (expected a Hugging Face transformers model config)")
+        raise _NotServable("config.json: no model_type (expected a Hugging Face transformers model config)")
     from loraplane_server.models.registry import UnsupportedModelError, family_of
 
     try:
         family_of(config)
     except UnsupportedModelError as exc:
-        raise ModelSourceError(f"config.json: {exc}") from exc
+        raise _NotServable(f"config.json: {exc}") from exc
 
 
 def _shard_keys(path: Path) -> set[str]:
@@ -275,7 +313,7 @@ def _shard_keys(path: Path) -> set[str]:
         with safe_open(str(path), framework="numpy") as f:
             return set(f.keys())
     except Exception as exc:  # noqa: BLE001 - safetensors raises its own error type and OSError alike
-        raise ModelSourceError(f"{path.name}: corrupt safetensors file ({exc}); delete it to fetch it again") from exc
+        raise ModelSourceError(f"{path}: corrupt safetensors file ({exc})") from exc
 
 
 def _check_index(index: Path, tensors: dict[str, set[str]]) -> None:
@@ -297,41 +335,59 @@ def _check_index(index: Path, tensors: dict[str, set[str]]) -> None:
 def _resolve_hf(source: Source, hub: Path, offline: bool, progress: Progress) -> Path:
     """huggingface_hub's snapshot_download into <cache>/hub. It writes each blob to a temporary file that it
     renames into place, resumes interrupted downloads and locks per file; our lock around the whole snapshot
-    only makes a second process wait instead of fetching the same files alongside."""
-    from huggingface_hub import snapshot_download
-
+    only makes a second process wait instead of fetching the same files alongside. A snapshot that fails
+    verification is downloaded once more with force_download (a blob damaged in the cache is never refetched
+    otherwise)."""
     assert source.repo_id is not None
     key = f"{source.repo_id.replace('/', '--')}@{source.revision or 'main'}"
     lock = hub / ".locks" / "loraplane" / f"{key}.lock"
     with contextlib.nullcontext() if offline else _locked(lock, progress):
+        if not offline:
+            progress.start(None, 0)  # a bar on a terminal; the Hub's bytes bar sets the total
         _check_hf_config(source, hub, offline, progress)
-        try:
-            snapshot = snapshot_download(
-                source.repo_id,
-                revision=source.revision,
-                cache_dir=str(hub),
-                allow_patterns=MODEL_FILESET.allow_patterns(source.subfolder),
-                ignore_patterns=MODEL_FILESET.ignore_patterns(source.subfolder),
-                local_files_only=offline,
-                endpoint=hf_endpoint(),
-                token=hf_token(),
-                etag_timeout=_TIMEOUT_S,
-                tqdm_class=_hub_bar(progress),
-            )
-        except Exception as exc:  # noqa: BLE001 - huggingface_hub's errors are mapped to reasons, the rest named
-            raise ModelSourceError(_hf_reason(exc, source, hub, offline)) from exc
+        model_dir = _hf_snapshot(source, hub, offline, progress, force=False)
+        repair = "the server is offline: it cannot be fetched again" if offline else "downloading it again"
+        damage = _damage(model_dir, source.uri, progress, repair)
+        if damage is not None and offline:
+            raise ModelSourceError(f"{source.uri}: {damage}; start the server online to fetch it again")
+        if damage is not None:
+            progress.start(None, 0)
+            model_dir = _hf_snapshot(source, hub, offline, progress, force=True)
+            verify(model_dir, progress)
+    return model_dir
+
+
+def _hf_snapshot(source: Source, hub: Path, offline: bool, progress: Progress, force: bool) -> Path:
+    from huggingface_hub import snapshot_download
+
+    try:
+        snapshot = snapshot_download(
+            source.repo_id or "",
+            revision=source.revision,
+            cache_dir=str(hub),
+            allow_patterns=MODEL_FILESET.allow_patterns(source.subfolder),
+            ignore_patterns=MODEL_FILESET.ignore_patterns(source.subfolder),
+            local_files_only=offline,
+            force_download=force,
+            endpoint=hf_endpoint(),
+            token=hf_token(),
+            etag_timeout=_TIMEOUT_S,
+            tqdm_class=_hub_bar(progress),
+        )
+    except Exception as exc:  # noqa: BLE001 - huggingface_hub's errors are mapped to reasons, the rest named
+        raise ModelSourceError(_hf_reason(exc, source, hub, offline)) from exc
     model_dir = Path(str(snapshot)) / source.subfolder
     if not (model_dir / "config.json").is_file() or not any(model_dir.glob("*.safetensors")):
         _refuse_hf_listing(source, offline)
     size = sum(p.stat().st_size for p in model_dir.iterdir() if p.is_file())
     progress.bytes_done, progress.bytes_total = size, size
-    verify(model_dir, progress)
     return model_dir
 
 
 def _check_hf_config(source: Source, hub: Path, offline: bool, progress: Progress) -> None:
     """Fetch config.json alone first (into the same cache), so an architecture the engine lacks fails before
-    gigabytes of shards download; fetch errors are left to snapshot_download, which names them."""
+    gigabytes of shards download; fetch errors are left to snapshot_download, which names them, and a damaged
+    config.json to verify, which has it fetched again."""
     from huggingface_hub import hf_hub_download, try_to_load_from_cache
 
     name = f"{source.subfolder}/config.json" if source.subfolder else "config.json"
@@ -351,7 +407,12 @@ def _check_hf_config(source: Source, hub: Path, offline: bool, progress: Progres
         return
     if not isinstance(cached, str):
         progress.advance(Path(path).stat().st_size)  # fetched now, outside snapshot_download's bar
-    _check_config(Path(path))
+    try:
+        _check_config(Path(path))
+    except _NotServable:
+        raise
+    except ModelSourceError:
+        return  # damaged in the cache: verify names it, and the snapshot is fetched again
 
 
 def _hub_bar(progress: Progress) -> type:
@@ -415,7 +476,10 @@ def _hf_reason(exc: Exception, source: Source, hub: Path, offline: bool) -> str:
         if status in (401, 403):
             return f"{uri}: access denied (HTTP {status}); check HF_TOKEN"
         return f"{uri}: the Hub answered HTTP {status}"
-    return f"{uri}: download failed ({type(exc).__name__})"
+    message = scrub_secrets(" ".join(str(exc).split()))  # scrubbed before it is cut: no secret's prefix left
+    if len(message) > _MAX_REASON:
+        message = message[: _MAX_REASON - 3] + "..."
+    return f"{uri}: download failed ({type(exc).__name__}{': ' if message else ''}{message})"
 
 
 # s3
@@ -430,23 +494,33 @@ def _resolve_s3(source: Source, cache_dir: Path, offline: bool, progress: Progre
                 f"{source.uri}: not in the model cache ({entry}) and the server is offline (--offline or "
                 "HF_HUB_OFFLINE=1); start it once online, or point --model-cache at a cache that holds the model"
             )
-        verify(entry, progress)
+        damage = _damage(entry, source.uri, progress, "the server is offline: it cannot be fetched again")
+        if damage is not None:
+            raise ModelSourceError(f"{source.uri}: {damage}; start the server online to fetch it again")
         return entry
     client = s3_client(_TIMEOUT_S, MODEL_FILESET)
     for attempt in range(3):
         objects = _s3_call(source.uri, _list_model, client, source)
         try:
             with _locked(entry.with_name(entry.name + ".lock"), progress):
-                if _read_manifest(entry) != _manifest_of(objects):
-                    _s3_call(source.uri, _download_s3, client, source, objects, entry, progress)
+                _fill_s3_entry(client, source, objects, entry, progress)
             break
         except _ObjectChanged as exc:  # listed, then replaced: list again; the changed file starts over
             log.warning("model %s: %s changed during the download; listing again", source.uri, exc)
             if attempt == 2:
                 raise ModelSourceError(f"{source.uri}: {exc} kept changing during the download") from exc
     progress.bytes_done = progress.bytes_total = sum(o.size for o in objects.values())
-    verify(entry, progress)
     return entry
+
+
+def _fill_s3_entry(client: Any, source: Source, objects: dict[str, S3Object], entry: Path, progress: Progress) -> None:
+    """Under the entry's lock: keep a cached entry that matches the listing and verifies, else download it."""
+    if _read_manifest(entry) == _manifest_of(objects):
+        progress.bytes_done = progress.bytes_total = sum(o.size for o in objects.values())
+        if _damage(entry, source.uri, progress, "downloading it again") is None:
+            return
+        _discard(entry)  # all of it: a file damaged in place is not to be hard-linked into the new entry
+    _s3_call(source.uri, _download_s3, client, source, objects, entry, progress)
 
 
 class _ObjectChanged(Exception):
@@ -497,12 +571,12 @@ def _download_s3(client: Any, source: Source, objects: dict[str, S3Object], entr
         if name == "config.json":
             _check_config(partial / name)  # an architecture the engine lacks fails before the shards download
     verify(partial, progress)
-    (partial / _STARTED).unlink(missing_ok=True)
     _write_json(partial / MANIFEST, {"source": source.uri, "files": _manifest_of(objects)})
     old = entry.with_name(f"{entry.name}.old-{os.getpid()}")
     if entry.exists():
         os.replace(entry, old)  # a stale entry (the objects changed): out of the way, then gone
-    os.replace(partial, entry)
+    os.replace(partial, entry)  # _STARTED goes only now: a run killed before resumes with every file kept
+    (entry / _STARTED).unlink(missing_ok=True)
     shutil.rmtree(old, ignore_errors=True)
 
 
@@ -550,7 +624,8 @@ def _bytes_present(partial: Path, objects: dict[str, S3Object]) -> int:
 
 def _download_object(client: Any, bucket: str, obj: S3Object, dest: Path, progress: Progress) -> None:
     """One object into dest via dest.part, resumed from the .part's size with a ranged GET that holds the
-    listed ETag (If-Match): if the object changed since the listing, _ObjectChanged (the caller lists again)."""
+    listed ETag (If-Match): if the object changed since the listing, _ObjectChanged (the caller lists again);
+    if the store ignored the Range and sent the whole object, the .part starts over."""
     from botocore.exceptions import ClientError
 
     part = dest.with_name(dest.name + ".part")
@@ -566,12 +641,33 @@ def _download_object(client: Any, bucket: str, obj: S3Object, dest: Path, progre
             if exc.response.get("Error", {}).get("Code") in ("PreconditionFailed", "412"):
                 raise _ObjectChanged(dest.name) from exc
             raise
-        with response["Body"] as body, open(part, "ab") as out:
+        resumed = offset == 0 or _honours_range(response, offset)
+        if not resumed:
+            log.warning("s3 object %s: the store ignored the Range request; downloading it from the start", obj.key)
+            progress.forget(offset)
+        with response["Body"] as body, open(part, "ab" if resumed else "wb") as out:
             _copy_body(body, out, progress)
     size = part.stat().st_size if part.is_file() else 0
     if size != obj.size:
         raise ModelSourceError(f"{dest.name}: got {size} of {obj.size} bytes; start again to resume")
+    _fsync(part)  # on disk before it counts as whole: a node crash must not leave a zero-filled tail
     os.replace(part, dest)
+
+
+def _honours_range(response: dict[str, Any], offset: int) -> bool:
+    """Whether a ranged GET's response starts at offset (Content-Range), or at least says so (HTTP 206)."""
+    content_range = response.get("ContentRange")
+    if content_range:
+        return str(content_range).startswith(f"bytes {offset}-")
+    return response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 206
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _copy_body(body: Any, out: Any, progress: Progress) -> None:

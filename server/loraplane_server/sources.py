@@ -442,6 +442,19 @@ def hf_token() -> str | None:
     return os.environ.get("HF_TOKEN", "").strip() or None
 
 
+_SECRET_ENV = ("HF_TOKEN", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "LORAPLANE_ADMIN_TOKEN")
+
+
+def scrub_secrets(text: str) -> str:
+    """text with the values of the credential variables masked: an error from a library we do not control
+    (a start-up failure's reason or traceback) must not carry one to /ready, a log or a pod's status."""
+    for name in _SECRET_ENV:
+        value = os.environ.get(name, "")
+        if len(value) >= 4:
+            text = text.replace(value, f"<{name}>")
+    return text
+
+
 def _fetch_hf(source: Source, dest: Path, limits: _Limits) -> None:
     from huggingface_hub import snapshot_download
 

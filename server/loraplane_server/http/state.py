@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
+import traceback
 from typing import Any
 
 import torch
@@ -18,7 +18,7 @@ from loraplane_server.http.lifecycle import Lifecycle
 from loraplane_server.http.metrics import Metrics
 from loraplane_server.http.server_config import ServerConfig
 from loraplane_server.model_store import Progress, StartupListener
-from loraplane_server.sources import ModelSourceError
+from loraplane_server.sources import ModelSourceError, scrub_secrets
 
 log = logging.getLogger("loraplane.http")
 
@@ -45,7 +45,7 @@ class ServerState:
             self._fail(str(exc))
             return
         except Exception as exc:  # noqa: BLE001 - any failure to start is reported and ends the process
-            log.exception("the engine failed to start")
+            log.error("the engine failed to start\n%s", scrub_secrets(traceback.format_exc().rstrip()))
             self._fail(f"{type(exc).__name__}: {exc}")
             return
         if engine.tokenizer is None:
@@ -111,19 +111,6 @@ class ServerState:
         snap = await self.call(lambda: take_snapshot(engine, self._loads_seen))
         self._loads_seen = snap.num_loads_seen
         return snap
-
-
-_SECRET_ENV = ("HF_TOKEN", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "LORAPLANE_ADMIN_TOKEN")
-
-
-def scrub_secrets(text: str) -> str:
-    """text with the values of the credential variables masked: an error from a library we do not control
-    (reported as the start-up failure's reason) must not carry one to /ready, a log or a pod's status."""
-    for name in _SECRET_ENV:
-        value = os.environ.get(name, "")
-        if len(value) >= 4:
-            text = text.replace(value, f"<{name}>")
-    return text
 
 
 def get_state(request: Request) -> ServerState:
