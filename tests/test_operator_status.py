@@ -870,6 +870,8 @@ def test_model_failed_from_a_failed_ready_body():
 @pytest.mark.parametrize(
     ("reports", "phase", "message"),
     [
+        ([report("a", "resolving")], "Downloading", "a: resolving the model source"),
+        ([report("a", "resolving"), report("b", "waiting")], "Downloading", "b: waiting for another pod's download"),
         ([report("a", "waiting")], "Downloading", "a: waiting for another pod's download into the shared cache"),
         (
             [report("a", "waiting"), report("b", "downloading", 327576781, 536870912)],

@@ -127,8 +127,8 @@ def pod_note(status: Mapping[str, Any]) -> str | None:
 # the model's phase
 @dataclass(frozen=True)
 class ModelReport:
-    """What a starting pod's /ready said about its model (server phases: waiting, downloading, verifying,
-    converting, loading, ready; failed with the error when it could not start)."""
+    """What a starting pod's /ready said about its model (server phases: resolving, waiting, downloading,
+    verifying, converting, loading, ready; failed with the error when it could not start)."""
 
     pod: str
     phase: str
@@ -137,8 +137,8 @@ class ModelReport:
     error: str | None = None
 
 
-SERVER_PHASE_ORDER = ("waiting", "downloading", "verifying", "converting", "loading", "ready")
-DOWNLOAD_PHASES = frozenset({"waiting", "downloading", "verifying", "converting"})
+SERVER_PHASE_ORDER = ("resolving", "waiting", "downloading", "verifying", "converting", "loading", "ready")
+DOWNLOAD_PHASES = frozenset({"resolving", "waiting", "downloading", "verifying", "converting"})
 
 
 def _int_or_none(value: Any) -> int | None:
@@ -180,6 +180,8 @@ def _most_advanced(reports: Sequence[ModelReport]) -> ModelReport | None:
 
 
 def _report_message(r: ModelReport) -> str:
+    if r.phase == "resolving":
+        return f"{r.pod}: resolving the model source"
     if r.phase == "waiting":
         return f"{r.pod}: waiting for another pod's download into the shared cache"
     if r.phase == "downloading":
