@@ -33,6 +33,7 @@ from loraplane_operator.server_status import (
     server_status,
     start_failure,
 )
+from loraplane_server.router.ranking import rank
 
 NOW = "2025-01-01T00:00:10Z"
 WANT = st.AdapterWant("french", "/opt/a/french", "host")
@@ -126,14 +127,16 @@ def test_reached_and_goal_tier():
     assert st.is_moving(row("ready", "device", target_tier="disk"), "none")
 
 
-def test_choose_tiers_all_or_n_pods_keeping_those_that_have_it():
+def test_choose_tiers_all_or_the_first_n_of_the_ranking():
     pods = ["p-a", "p-b", "p-c"]
-    assert st.choose_tiers(pods, {}, WANT) == {p: "host" for p in pods}
+    assert st.choose_tiers(pods, WANT) == {p: "host" for p in pods}
     two = st.AdapterWant("french", "/s", "host", replicas=2)
-    assert st.choose_tiers(pods, {}, two) == {"p-a": "host", "p-b": "host", "p-c": "none"}
-    rows = {"p-c": row("ready", "host")}
-    assert st.choose_tiers(pods, rows, two) == {"p-a": "host", "p-b": "none", "p-c": "host"}
-    assert st.choose_tiers(pods[:1], {}, two) == {"p-a": "host"}
+    chosen = st.choose_tiers(pods, two)
+    assert [p for p in rank("french", pods) if chosen[p] == "host"] == rank("french", pods)[:2]
+    assert sorted(chosen.values()) == ["host", "host", "none"]
+    other = st.AdapterWant("german", "/s", "disk", replicas=1)
+    assert [p for p, t in st.choose_tiers(pods, other).items() if t == "disk"] == rank("german", pods)[:1]
+    assert st.choose_tiers(pods[:1], two) == {"p-a": "host"}
 
 
 def test_backoff_and_retry_budget():

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from loraplane_operator import constants as c
+from loraplane_server.router.ranking import place
 
 Row = Mapping[str, Any]
 
@@ -130,13 +131,11 @@ def needs_tier_call(row: Row | None, tier: str, *, exact: bool = True) -> bool:
     return row is not None and pod_condition(row, tier, exact=exact) == "off"
 
 
-def choose_tiers(pods: Sequence[str], rows: Mapping[str, Row | None], want: AdapterWant) -> dict[str, str]:
-    """The tier wanted on each pod: `want.tier` on every pod, or on `replicas` of them (those already holding
-    it first, then by name) with the rest registered only, so every pod can still serve it on demand."""
-    if want.replicas is None:
-        return {p: want.tier for p in pods}
-    ranked = sorted(pods, key=lambda p: (not reached(rows.get(p), want.tier, exact=False), p))
-    chosen = set(ranked[: want.replicas])
+def choose_tiers(pods: Sequence[str], want: AdapterWant) -> dict[str, str]:
+    """The tier wanted on each pod: `want.tier` on every pod, or on the first `replicas` pods of the adapter's
+    rendezvous ranking (the router's, so requests go where it is placed), the rest registered only, so every
+    pod can still serve it on demand."""
+    chosen = set(place(want.adapter_id, pods, want.replicas))
     return {p: (want.tier if p in chosen else "none") for p in pods}
 
 

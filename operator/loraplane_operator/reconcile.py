@@ -184,8 +184,7 @@ async def adapter_round(
     can_retry = st.can_retry(attempts, age_s(last, now), is_failed=stay_failed)
 
     read = await asyncio.gather(*(_read_row(ctx, p, server.port, token, want.adapter_id) for p in live))
-    rows = {p.name: row for p, (row, _) in zip(live, read, strict=True)}
-    tiers = st.choose_tiers([p.name for p in live], rows, want)
+    tiers = st.choose_tiers([p.name for p in live], want)
 
     async def sync(pod: PodInfo, row: dict | None, error: str | None) -> st.PodResult:
         tier = tiers[pod.name]
