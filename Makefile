@@ -44,7 +44,7 @@ test: model lint
 # on every CPU (their servers in fp32), so the first pass covers them.
 AVX2_SKIP := --ignore-glob='tests/test_http_*.py' --ignore-glob='tests/test_operator_*.py' \
 	--ignore-glob='tests/test_sources*.py' --ignore-glob='tests/test_model_s*.py' --ignore=tests/test_helm_chart.py --ignore=tests/test_crds.py \
-	--ignore=tests/test_dockerfiles.py
+	--ignore=tests/test_dockerfiles.py --ignore=tests/test_router_http.py
 test-avx2: model
 	LORAPLANE_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 $(BIN)/pytest -q tests $(AVX2_SKIP) $(PYTEST_ARGS)
 

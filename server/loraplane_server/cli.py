@@ -232,6 +232,48 @@ def cmd_operator(a: argparse.Namespace) -> int:
     return 0
 
 
+def _router_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--pod", action="append", default=[], metavar="URL", help="a server pod's URL (repeat)")
+    p.add_argument("--namespace", help="with --selector: find the server pods through the Kubernetes API")
+    p.add_argument("--selector", help="label selector of the server pods, e.g. loraplane.dev/server=smollm2")
+    p.add_argument("--pod-port", type=int, default=8080, help="the server pods' HTTP port (with --selector)")
+    p.add_argument(
+        "--epsilon", type=float, default=0.25, help="load bound: a pod over (1 + epsilon) x the mean is skipped"
+    )
+    p.add_argument(
+        "--spill-queue", type=int, default=8, help="widen a hot adapter to its next pod at this many requests a pod"
+    )
+    p.add_argument("--poll-seconds", type=float, default=1.0, help="how often residency and load are read")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+
+
+def cmd_router(a: argparse.Namespace) -> int:
+    """Route requests across a server pool by adapter (router/app.py). The servers' admin token, which
+    residency needs, comes from $LORAPLANE_ADMIN_TOKEN (never a flag: it would show in the process list)."""
+    import uvicorn
+
+    from loraplane_server.router.app import RouterConfig, create_router_app
+
+    try:
+        config = RouterConfig(
+            pods=tuple(a.pod),
+            namespace=a.namespace,
+            selector=a.selector,
+            pod_port=a.pod_port,
+            admin_token=os.environ.get("LORAPLANE_ADMIN_TOKEN") or None,
+            epsilon=a.epsilon,
+            spill_queue=a.spill_queue,
+            poll_s=a.poll_seconds,
+        )
+    except ValueError as exc:
+        print(f"loraplane router: {exc}", file=sys.stderr)
+        return 2
+    uvicorn.run(create_router_app(config), host=a.host, port=a.port, log_level=a.log_level)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="loraplane", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -244,6 +286,9 @@ def main(argv: list[str] | None = None) -> int:
     _engine_args(serve)
     _serve_args(serve)
     serve.set_defaults(func=cmd_serve)
+    router = sub.add_parser("router", help="route requests across a server pool by adapter")
+    _router_args(router)
+    router.set_defaults(func=cmd_router)
     op = sub.add_parser("operator", help="run the Kubernetes operator (kopf)")
     op.add_argument("--namespace", default=None, help="watch one namespace (default: the whole cluster)")
     op.add_argument("--liveness", default=None, help="liveness endpoint, e.g. http://0.0.0.0:8080/healthz")

@@ -1,0 +1,118 @@
+"""Which pod serves a request: the adapter's rendezvous ranking, residency and a load bound (pure, no I/O).
+
+An adapter's home is the first `width` pods of its ranking (the pods the operator places it on). Among the pods
+under the load bound, a home pod that holds the adapter comes first (device, then host, then disk; the least
+loaded of equals), then any pod that holds it, then the home pods, then the rest in ranking order. The least
+loaded pod is always under the bound (it is at most the mean), so some pod always takes the request. The order
+past the first pick is where a request goes if the first pod cannot be reached. `Spill` widens a hot adapter's
+home to the next pods in its ranking and narrows it back.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from loraplane_server.router.ranking import rank
+
+TIER_ORDER = {"device": 0, "host": 1, "disk": 2}  # any other tier (source, none): not resident
+
+
+@dataclass
+class PodView:
+    """What the router knows of one Ready pod: its residency (adapter id -> tier) and load."""
+
+    name: str
+    url: str
+    residency: Mapping[str, str] = field(default_factory=dict)
+    queued: int = 0  # waiting + running, as its /metrics said at the last poll
+    in_flight: int = 0  # this router's requests on it now
+
+    @property
+    def load(self) -> int:
+        return max(self.in_flight, self.queued)
+
+    def tier_of(self, adapter_id: str | None) -> int:
+        """0 device, 1 host, 2 disk, 3 not resident (the base model is on every pod: 0)."""
+        if adapter_id is None:
+            return 0
+        return TIER_ORDER.get(self.residency.get(adapter_id, ""), 3)
+
+
+def load_bound(pods: Sequence[PodView], epsilon: float) -> int:
+    """The most requests a pod may hold and still take one more: ceil((1 + epsilon) x the mean load with this
+    request counted), as in consistent hashing with bounded loads."""
+    total = sum(p.load for p in pods) + 1
+    return max(1, math.ceil((1 + epsilon) * total / max(len(pods), 1)))
+
+
+def choose(adapter_id: str | None, pods: Sequence[PodView], width: int, epsilon: float) -> list[PodView]:
+    """Every pod, best first, for one request for `adapter_id` (None: the base model, least loaded first)."""
+    if not pods:
+        return []
+    if adapter_id is None:
+        return sorted(pods, key=lambda p: (p.load, p.name))
+    ranked = pods_by_rank(adapter_id, pods)
+    home = {p.name for p in ranked[: max(width, 1)]}
+    bound = load_bound(pods, epsilon)
+
+    def key(item: tuple[int, PodView]) -> tuple[bool, int, int, int, int]:
+        position, pod = item
+        resident, is_home = pod.tier_of(adapter_id) < 3, pod.name in home
+        group = (0 if resident else 2) if is_home else (1 if resident else 3)
+        # within the home (wider than one pod when spilled) the least loaded first; elsewhere the ranking
+        return (pod.load >= bound, group, pod.tier_of(adapter_id), pod.load if is_home else 0, position)
+
+    return [pod for _, pod in sorted(enumerate(ranked), key=key)]
+
+
+@dataclass
+class Spill:
+    """Per-adapter home width: one more pod of its ranking while its home pods are all at `queue_threshold`
+    requests or more (at most one step per `step_s`), one fewer once they have all stayed under half of it
+    for `settle_s`. Adapters at width 1 are not stored."""
+
+    queue_threshold: int = 8
+    step_s: float = 2.0
+    settle_s: float = 10.0
+    widths: dict[str, int] = field(default_factory=dict)
+    _changed: dict[str, float] = field(default_factory=dict)
+    _calm_since: dict[str, float] = field(default_factory=dict)
+    spills: int = 0  # widenings so far (a metric)
+
+    def width(self, adapter_id: str) -> int:
+        return self.widths.get(adapter_id, 1)
+
+    def observe(self, adapter_id: str, pods: Sequence[PodView], now: float) -> int:
+        """Update the adapter's width from its home pods' load now; the width to route with."""
+        width = self.width(adapter_id)
+        home = pods_by_rank(adapter_id, pods)[:width]
+        if not home:
+            return width
+        if all(p.load >= self.queue_threshold for p in home):
+            self._calm_since.pop(adapter_id, None)
+            if width < len(pods) and now - self._changed.get(adapter_id, -math.inf) >= self.step_s:
+                self._set(adapter_id, width + 1, now)
+                self.spills += 1
+        elif width > 1 and all(p.load < self.queue_threshold / 2 for p in home):
+            since = self._calm_since.setdefault(adapter_id, now)
+            if now - since >= self.settle_s:
+                self._set(adapter_id, width - 1, now)
+                self._calm_since[adapter_id] = now
+        else:
+            self._calm_since.pop(adapter_id, None)
+        return self.width(adapter_id)
+
+    def _set(self, adapter_id: str, width: int, now: float) -> None:
+        self._changed[adapter_id] = now
+        if width <= 1:
+            self.widths.pop(adapter_id, None)
+            self._calm_since.pop(adapter_id, None)
+        else:
+            self.widths[adapter_id] = width
+
+
+def pods_by_rank(adapter_id: str, pods: Sequence[PodView]) -> list[PodView]:
+    by_name = {p.name: p for p in pods}
+    return [by_name[n] for n in rank(adapter_id, by_name)]

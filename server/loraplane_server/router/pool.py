@@ -1,0 +1,160 @@
+"""The router's view of one server pool: which pods are Ready, what each holds and how loaded it is.
+
+Pods come from a fixed list of URLs, or from the Kubernetes API (the pods matching a label selector in one
+namespace, listed each poll: Ready pods with an IP). Each poll (about every second) reads every pod's
+`/v1/adapters` (residency; the admin token when the servers have one) and `/metrics` (requests waiting and
+running) in parallel; a pod that does not answer drops out until it does. No operator is needed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from loraplane_server.router.choice import PodView
+
+log = logging.getLogger("loraplane.router")
+
+LOAD_METRICS = ("loraplane_queue_depth", "loraplane_requests_running")
+
+
+@dataclass(frozen=True)
+class Target:
+    """A pod to poll: its name (what the ranking hashes) and base URL."""
+
+    name: str
+    url: str
+
+
+def static_targets(urls: Iterable[str]) -> list[Target]:
+    """Targets from URLs; each is named host:port (stable for as long as the URL is)."""
+    targets = []
+    for url in urls:
+        parts = urlsplit(url.rstrip("/"))
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"--pod {url!r}: expected http(s)://host:port")
+        targets.append(Target(parts.netloc, url.rstrip("/")))
+    return targets
+
+
+class KubePods:
+    """The Ready pods matching `selector` in `namespace`, from the Kubernetes API (in-cluster config, else the
+    kubeconfig), as targets on `port`."""
+
+    def __init__(self, namespace: str, selector: str, port: int) -> None:
+        self.namespace, self.selector, self.port = namespace, selector, port
+        self._api: Any = None
+
+    async def targets(self) -> list[Target]:
+        from kubernetes_asyncio import client, config
+
+        if self._api is None:
+            try:
+                config.load_incluster_config()
+            except config.ConfigException:
+                await config.load_kube_config()
+            self._api = client.ApiClient()
+        pods = await client.CoreV1Api(self._api).list_namespaced_pod(self.namespace, label_selector=self.selector)
+        found = []
+        for pod in pods.items:
+            conditions = pod.status.conditions or []
+            ready = any(c.type == "Ready" and c.status == "True" for c in conditions)
+            if ready and pod.status.pod_ip and not pod.metadata.deletion_timestamp:
+                found.append(Target(pod.metadata.name, f"http://{pod.status.pod_ip}:{self.port}"))
+        return found
+
+    async def close(self) -> None:
+        if self._api is not None:
+            await self._api.close()
+
+
+class Pool:
+    """The Ready pods as PodViews, refreshed by `poll`; this router's in-flight counts survive a refresh."""
+
+    def __init__(
+        self,
+        http: httpx.AsyncClient,
+        static: list[Target] | None = None,
+        kube: KubePods | None = None,
+        admin_token: str | None = None,
+        timeout_s: float = 1.0,
+    ) -> None:
+        if (static is None) == (kube is None):
+            raise ValueError("a pool takes either a list of pods or a Kubernetes selector")
+        self.http, self.static, self.kube = http, static, kube
+        self.headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
+        self.timeout_s = timeout_s
+        self.pods: dict[str, PodView] = {}
+        self.polls = 0
+
+    def ready(self) -> list[PodView]:
+        return list(self.pods.values())
+
+    async def poll(self) -> None:
+        """One refresh of every pod's residency and load."""
+        try:
+            targets = self.static if self.static is not None else await self.kube.targets()  # type: ignore[union-attr]
+        except Exception as exc:  # noqa: BLE001 - the API server is unreachable: keep the last view
+            log.warning("router: cannot list the server pods: %s", exc)
+            return
+        views = await asyncio.gather(*(self._read(t) for t in targets))
+        fresh: dict[str, PodView] = {}
+        for view in views:
+            if view is not None:
+                old = self.pods.get(view.name)
+                view.in_flight = old.in_flight if old is not None and old.url == view.url else 0
+                fresh[view.name] = view
+        self.pods = fresh
+        self.polls += 1
+
+    async def _read(self, target: Target) -> PodView | None:
+        try:
+            rows, metrics = await asyncio.gather(
+                self.http.get(f"{target.url}/v1/adapters", headers=self.headers, timeout=self.timeout_s),
+                self.http.get(f"{target.url}/metrics", timeout=self.timeout_s),
+            )
+            rows.raise_for_status()
+            metrics.raise_for_status()
+            residency = {
+                str(r["id"]): str(r.get("tier") or "")
+                for r in rows.json().get("data", [])
+                if isinstance(r, dict) and r.get("state") not in ("failed", "loading")
+            }
+            return PodView(target.name, target.url, residency, queued=_load(metrics.text))
+        except (httpx.HTTPError, ValueError, KeyError, AttributeError) as exc:
+            log.info("router: pod %s left out this round: %s", target.name, exc)
+            return None
+
+    async def run(self, interval_s: float, stopped: asyncio.Event) -> None:
+        while not stopped.is_set():
+            await self.poll()
+            try:
+                await asyncio.wait_for(stopped.wait(), timeout=interval_s)
+            except asyncio.TimeoutError:
+                pass
+
+    def acquire(self, name: str) -> None:
+        pod = self.pods.get(name)
+        if pod is not None:
+            pod.in_flight += 1
+
+    def release(self, name: str) -> None:
+        pod = self.pods.get(name)
+        if pod is not None and pod.in_flight > 0:
+            pod.in_flight -= 1
+
+
+def _load(text: str) -> int:
+    """Requests waiting plus running, from a Prometheus text exposition."""
+    total = 0.0
+    for family in text_string_to_metric_families(text):
+        if family.name in LOAD_METRICS:
+            total += sum(sample.value for sample in family.samples)
+    return int(total)

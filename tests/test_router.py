@@ -1,0 +1,127 @@
+"""The router's choice of pod (router/choice.py) and its reading of requests, with no server: residency first
+within an adapter's home, the load bound, the fallback, spilling a hot adapter and narrowing it back."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from loraplane_server.router.app import RouterConfig, adapter_of
+from loraplane_server.router.choice import PodView, Spill, choose, load_bound
+from loraplane_server.router.pool import _load, static_targets
+from loraplane_server.router.ranking import rank
+
+NAMES = ["pod-a", "pod-b", "pod-c", "pod-d"]
+
+
+def pods(**residency: dict[str, str]) -> list[PodView]:
+    return [PodView(n, f"http://{n}", residency.get(n.replace("-", "_"), {})) for n in NAMES]
+
+
+def test_cold_adapter_goes_to_its_first_ranked_pod() -> None:
+    order = choose("french", pods(), width=1, epsilon=0.25)
+    assert [p.name for p in order] == rank("french", NAMES)
+
+
+def test_resident_home_pod_first_then_any_resident_pod() -> None:
+    first, second, third, fourth = rank("french", NAMES)
+    view = pods(**{second.replace("-", "_"): {"french": "host"}, fourth.replace("-", "_"): {"french": "device"}})
+    assert choose("french", view, width=2, epsilon=0.25)[0].name == second  # in its home and resident
+    order = [p.name for p in choose("french", view, width=1, epsilon=0.25)]
+    assert order[0] == fourth and order[1] == second  # resident elsewhere beats a cold home (device before host)
+    assert order[2:] == [first, third]
+
+
+def test_tiers_order_resident_home_pods() -> None:
+    first, second, *_ = rank("french", NAMES)
+    view = pods(**{first.replace("-", "_"): {"french": "disk"}, second.replace("-", "_"): {"french": "device"}})
+    assert choose("french", view, width=2, epsilon=0.25)[0].name == second
+
+
+def test_a_pod_over_the_load_bound_is_skipped() -> None:
+    view = pods()
+    first, second, *_ = rank("french", NAMES)
+    by_name = {p.name: p for p in view}
+    by_name[first].queued = 10  # mean with this request (11 / 4) x 1.25 -> bound 4
+    assert load_bound(view, 0.25) == 4
+    order = choose("french", view, width=1, epsilon=0.25)
+    assert order[0].name == second and order[-1].name == first
+
+
+def test_the_least_loaded_pod_is_always_under_the_bound() -> None:
+    view = pods()
+    for loads in ([10, 11, 12, 13], [40, 39, 41, 40], [0, 0, 0, 50], [7, 7, 7, 7]):
+        for p, load in zip(view, loads, strict=True):
+            p.in_flight = load
+        bound = load_bound(view, 0.0)
+        assert min(loads) < bound
+        order = choose("french", view, width=1, epsilon=0.0)
+        assert order[0].load < bound
+        over = [p.name for p in order if p.load >= bound]
+        assert [p.name for p in order][len(order) - len(over) :] == over  # those over the bound come last
+    assert load_bound(view, 0.0) == 8  # ceil(29 / 4)
+
+
+def test_base_model_requests_go_to_the_least_loaded() -> None:
+    view = pods()
+    view[0].queued, view[1].queued, view[2].queued, view[3].queued = 3, 1, 2, 1
+    assert [p.name for p in choose(None, view, 1, 0.25)] == ["pod-b", "pod-d", "pod-c", "pod-a"]
+    assert choose("x", [], 1, 0.25) == []
+
+
+def test_spill_widens_a_hot_adapter_and_narrows_it_back() -> None:
+    view = pods()
+    spill = Spill(queue_threshold=4, step_s=2.0, settle_s=10.0)
+    ranked = {p.name: p for p in view}
+    first, second, third, _ = rank("hot", NAMES)
+    ranked[first].queued = 6
+    assert spill.observe("hot", view, now=0.0) == 2 and spill.spills == 1
+    assert spill.observe("hot", view, now=1.0) == 2  # the second pod is not busy: no wider
+    ranked[second].queued = 5
+    assert spill.observe("hot", view, now=1.5) == 2  # busy, but one step per 2 s
+    assert spill.observe("hot", view, now=2.0) == 3
+    assert [p.name for p in choose("hot", view, spill.width("hot"), 10.0)][:3] == [third, second, first]
+    for p in view:
+        p.queued = 1  # calm: under half the threshold
+    assert spill.observe("hot", view, now=3.0) == 3
+    assert spill.observe("hot", view, now=12.9) == 3
+    assert spill.observe("hot", view, now=13.0) == 2  # 10 s calm: one step back
+    assert spill.observe("hot", view, now=23.0) == 1 and "hot" not in spill.widths
+    assert spill.observe("cold", view, now=30.0) == 1 and spill.widths == {}
+
+
+def test_adapter_of_reads_openai_and_lorax_bodies() -> None:
+    base = {"smollm2-135m"}
+    assert adapter_of("/v1/completions", json.dumps({"model": "french"}).encode(), base) == "french"
+    assert adapter_of("/v1/chat/completions", json.dumps({"model": "smollm2-135m"}).encode(), base) is None
+    assert adapter_of("/generate", json.dumps({"inputs": "x", "parameters": {"adapter_id": "pirate"}}).encode(), base)
+    assert adapter_of("/generate", json.dumps({"inputs": "x"}).encode(), base) is None
+    for bad in (b"{", b"[1]", json.dumps({"model": 3}).encode(), json.dumps({"parameters": "x"}).encode()):
+        assert adapter_of("/v1/completions", bad, base) is None and adapter_of("/generate", bad, base) is None
+
+
+def test_load_is_waiting_plus_running_from_the_metrics_text() -> None:
+    text = (
+        "# HELP loraplane_queue_depth Requests waiting\n# TYPE loraplane_queue_depth gauge\nloraplane_queue_depth 3.0\n"
+        "# HELP loraplane_requests_running Running\n# TYPE loraplane_requests_running gauge\n"
+        "loraplane_requests_running 5.0\n# HELP other x\n# TYPE other gauge\nother 100.0\n"
+    )
+    assert _load(text) == 8
+
+
+def test_config_and_targets_refuse_what_cannot_work() -> None:
+    with pytest.raises(ValueError, match="either"):
+        RouterConfig()
+    with pytest.raises(ValueError, match="either"):
+        RouterConfig(pods=("http://a:1",), selector="x=y", namespace="ml")
+    with pytest.raises(ValueError, match="needs --namespace"):
+        RouterConfig(selector="x=y")
+    with pytest.raises(ValueError, match="epsilon"):
+        RouterConfig(pods=("http://a:1",), epsilon=-1)
+    assert [t.name for t in static_targets(["http://127.0.0.1:8001/", "http://127.0.0.2:8001"])] == [
+        "127.0.0.1:8001",
+        "127.0.0.2:8001",
+    ]
+    with pytest.raises(ValueError, match="host:port"):
+        static_targets(["127.0.0.1:8001"])
