@@ -28,7 +28,7 @@ from loraplane_server.http import state as http_state
 from loraplane_server.http.server_config import ServerConfig
 from loraplane_server.model_store import MANIFEST, Progress, resolve, verify
 from loraplane_server.sampling_params import SamplingParams
-from loraplane_server.sources import ModelSourceError, parse_source
+from loraplane_server.sources import ModelSourceError, hf_reason, parse_source
 
 DEAD_ENDPOINT = "http://127.0.0.1:9"  # nothing listens: any network call fails
 
@@ -504,13 +504,14 @@ def test_hf_damaged_blob_is_downloaded_again(hub: HubServer, tiny_model: Path, t
     assert hub.bytes_sent - sent >= shard2.stat().st_size  # fetched again (force_download)
 
 
-def test_hf_unexpected_error_keeps_its_scrubbed_message(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_hf_unexpected_error_keeps_its_scrubbed_message(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HF_TOKEN", "hf_secret_token_value")
     exc = RuntimeError("proxy said no to hf_secret_token_value\n" + "x" * 1000)
-    reason = model_store._hf_reason(exc, parse_source("hf://org/tiny"), tmp_path, offline=False)
+    reason, transient = hf_reason(exc, parse_source("hf://org/tiny"), offline=False, not_cached="")
     assert reason.startswith("hf://org/tiny: download failed (RuntimeError: proxy said no to <HF_TOKEN> xxx")
     assert "hf_secret" not in reason and len(reason) < 400 and reason.endswith("...)")
-    assert model_store._hf_reason(RuntimeError(), parse_source("hf://o/r"), tmp_path, False).endswith("(RuntimeError)")
+    assert transient  # no answer from the Hub: may pass
+    assert hf_reason(RuntimeError(), parse_source("hf://o/r"), False, "")[0].endswith("(RuntimeError)")
 
 
 def test_hf_errors_say_what_to_fix(hub: HubServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -232,9 +232,39 @@ def test_fetch_hf_offline_refuses_pickle(hf_cache, tmp_path):
 
 @pytest.mark.parametrize("uri", ["hf://org/not-cached", "hf://org/adapter@no-such-rev"])
 def test_fetch_hf_offline_miss_explains(hf_cache, tmp_path, uri):
-    with pytest.raises(AdapterSourceError, match="HF_HUB_OFFLINE.*cache"):
+    miss = r"^hf://org/.*: not in the local Hugging Face cache and HF_HUB_OFFLINE is set"
+    with pytest.raises(AdapterSourceError, match=miss) as info:
         fetch(parse_source(uri), tmp_path / "d")
-    assert list((tmp_path / "d").iterdir()) == []
+    assert list((tmp_path / "d").iterdir()) == [] and not info.value.transient
+
+
+def test_fetch_hf_errors_in_the_models_words(tmp_path, monkeypatch):
+    """Online against a loopback Hub: adapters map huggingface_hub's failures as models do (hf_reason), and
+    say whether trying again may help."""
+    from hf_hub_server import HubServer
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # read at its import, maybe under hf_cache's "1"
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
+    for name in ("HF_TOKEN", "HF_HUB_OFFLINE"):
+        monkeypatch.delenv(name, raising=False)
+    cases = {
+        "hf://org/missing": (r"^hf://org/missing: repository not found \(check the repo id", False),
+        "hf://org/adapter@v9": (r"^hf://org/adapter@v9: revision v9 not found$", False),
+    }
+    with HubServer() as hub:
+        hub.add_repo("org/adapter").add_commit(GOOD)
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        assert_good(fetch(parse_source("hf://org/adapter"), tmp_path / "good"))
+        for uri, (match, transient) in cases.items():
+            with pytest.raises(AdapterSourceError, match=match) as info:
+                fetch(parse_source(uri), tmp_path / uri[len("hf://") :])
+            assert info.value.transient is transient, uri
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens
+    unreachable = r"^hf://org/other: cannot reach the Hub at http://127.0.0.1:9 "
+    with pytest.raises(AdapterSourceError, match=unreachable) as info:
+        fetch(parse_source("hf://org/other"), tmp_path / "dead")
+    assert info.value.transient
 
 
 # fetch: s3 against moto's server on loopback
@@ -281,8 +311,19 @@ def s3_bucket(s3_endpoint, monkeypatch) -> str:
     return bucket
 
 
-def test_fetch_s3(s3_bucket, tmp_path):
+def test_fetch_s3(s3_bucket, tmp_path, monkeypatch):
+    """One listing gives the files and their sizes: no HEAD per file, no head_bucket."""
+    calls: list[str] = []
+    real_client = sources.s3_client
+
+    def counted_client(*args, **kwargs):
+        client = real_client(*args, **kwargs)
+        client.meta.events.register("before-call.s3", lambda model, **_: calls.append(model.name))
+        return client
+
+    monkeypatch.setattr(sources, "s3_client", counted_client)
     assert_good(fetch(parse_source(f"s3://{s3_bucket}/team/a/"), tmp_path / "d1"), readme=True)
+    assert calls == ["ListObjectsV2"] + ["GetObject"] * 3
     assert_good(fetch(parse_source(f"s3://{s3_bucket}"), tmp_path / "d2"))
 
 
@@ -303,8 +344,34 @@ def test_fetch_s3_missing_files(s3_bucket, tmp_path, path, match):
 def test_fetch_s3_errors(s3_bucket, tmp_path):
     with pytest.raises(AdapterSourceError, match="allowed"):
         fetch(parse_source(f"s3://{s3_bucket}/team/a"), tmp_path / "d1", max_bytes=50)
-    with pytest.raises(AdapterSourceError, match="bucket 'no-such-bucket' does not exist"):
+    assert list((tmp_path / "d1").iterdir()) == []
+    with pytest.raises(AdapterSourceError, match=r"^s3://no-such-bucket/a: bucket does not exist at this") as info:
         fetch(parse_source("s3://no-such-bucket/a"), tmp_path / "d2")
+    assert not info.value.transient and "no-such-bucket" not in info.value.public
+
+
+def test_fetch_s3_unreachable_endpoint_hides_its_credentials(tmp_path, monkeypatch):
+    """botocore's EndpointConnectionError quotes the endpoint URL, user:password included: neither the
+    admin's text nor the public one may carry it, and the failure may pass (transient)."""
+    pytest.importorskip("boto3", reason="boto3 is not installed")
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://admin:hunter2-secret@127.0.0.1:{closed}")
+    for name in ("AWS_ENDPOINT_URL_S3", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.setenv(name, "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    with pytest.raises(AdapterSourceError) as info:
+        fetch(parse_source("s3://bucket/a"), tmp_path / "d", timeout_s=2)
+    assert "hunter2" in str(info.value.__cause__)  # what the old code put into the error
+    texts = (str(info.value), info.value.public)
+    assert all("hunter2" not in t and "admin:" not in t for t in texts), texts
+    assert str(info.value).startswith(f"s3://bucket/a: cannot reach the S3 endpoint http://127.0.0.1:{closed} (")
+    assert info.value.transient
 
 
 def test_fetch_s3_without_boto3_explains(monkeypatch, tmp_path):

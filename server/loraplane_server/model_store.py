@@ -43,19 +43,18 @@ from loraplane_server.sources import (
     SourceError,
     hf_endpoint,
     hf_offline,
+    hf_reason,
     hf_token,
     list_s3_files,
     parse_source,
     s3_client,
     s3_reason,
-    scrub_secrets,
 )
 
 log = logging.getLogger("loraplane.model")
 
 MANIFEST = ".loraplane-manifest.json"  # in a complete S3 entry: the ETag and size of each file
 _STARTED = ".loraplane-etags.json"  # in a .partial S3 entry: the ETag each file was started from
-_MAX_REASON = 300  # characters of an unexpected error's message kept in a reason
 _CHUNK = 1 << 20
 _TIMEOUT_S = 60.0
 # test-only: seconds to sleep after each chunk of an S3 download, so a test (or an e2e scenario) can kill a
@@ -375,7 +374,12 @@ def _hf_snapshot(source: Source, hub: Path, offline: bool, progress: Progress, f
             tqdm_class=_hub_bar(progress),
         )
     except Exception as exc:  # noqa: BLE001 - huggingface_hub's errors are mapped to reasons, the rest named
-        raise ModelSourceError(_hf_reason(exc, source, hub, offline)) from exc
+        not_cached = (
+            f"not in the model cache ({hub}) and the server is offline (--offline or HF_HUB_OFFLINE=1); "
+            "start it once online, or point --model-cache at a cache that holds the model"
+        )
+        reason, transient = hf_reason(exc, source, offline, not_cached)
+        raise ModelSourceError(reason, transient=transient) from exc
     model_dir = Path(str(snapshot)) / source.subfolder
     if not (model_dir / "config.json").is_file() or not any(model_dir.glob("*.safetensors")):
         _refuse_hf_listing(source, offline)
@@ -449,39 +453,6 @@ def _refuse_hf_listing(source: Source, offline: bool) -> None:
     raise ModelSourceError(f"{source.uri}: no config.json and *.safetensors at the top of the repo")
 
 
-def _hf_reason(exc: Exception, source: Source, hub: Path, offline: bool) -> str:
-    from huggingface_hub import errors
-
-    uri = source.uri
-    incomplete = getattr(errors, "IncompleteSnapshotError", errors.LocalEntryNotFoundError)  # huggingface_hub 1.x+
-    if isinstance(exc, (errors.LocalEntryNotFoundError, incomplete, errors.OfflineModeIsEnabled)):
-        if offline:
-            return (
-                f"{uri}: not in the model cache ({hub}) and the server is offline (--offline or HF_HUB_OFFLINE=1); "
-                "start it once online, or point --model-cache at a cache that holds the model"
-            )
-        return f"{uri}: cannot reach the Hub at {hf_endpoint() or 'https://huggingface.co'} (check the network)"
-    if isinstance(exc, errors.RevisionNotFoundError):
-        return f"{uri}: revision {source.revision or 'main'} not found"
-    if isinstance(exc, errors.GatedRepoError):
-        return f"{uri}: gated repository: accept its conditions on the Hub and set HF_TOKEN of an account with access"
-    if isinstance(exc, errors.RepositoryNotFoundError):
-        if hf_token() is None:
-            return f"{uri}: repository not found (check the repo id; a private repo needs HF_TOKEN)"
-        return f"{uri}: repository not found, or HF_TOKEN cannot read it (check the repo id and the token)"
-    if isinstance(exc, errors.EntryNotFoundError):
-        return f"{uri}: a file of the repository could not be found on the Hub; try again or pin a revision"
-    if isinstance(exc, errors.HfHubHTTPError) and exc.response is not None:
-        status = exc.response.status_code
-        if status in (401, 403):
-            return f"{uri}: access denied (HTTP {status}); check HF_TOKEN"
-        return f"{uri}: the Hub answered HTTP {status}"
-    message = scrub_secrets(" ".join(str(exc).split()))  # scrubbed before it is cut: no secret's prefix left
-    if len(message) > _MAX_REASON:
-        message = message[: _MAX_REASON - 3] + "..."
-    return f"{uri}: download failed ({type(exc).__name__}{': ' if message else ''}{message})"
-
-
 # s3
 
 
@@ -533,7 +504,8 @@ def _s3_call(uri: str, fn: Callable[..., Any], *args: Any) -> Any:
     try:
         return fn(*args)
     except (BotoCoreError, ClientError) as exc:
-        raise ModelSourceError(s3_reason(exc, uri)) from exc
+        reason, transient = s3_reason(exc, uri)
+        raise ModelSourceError(reason, transient=transient) from exc
 
 
 def _list_model(client: Any, source: Source) -> dict[str, S3Object]:

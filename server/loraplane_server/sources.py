@@ -5,7 +5,7 @@ its cache when HF_HUB_OFFLINE is set), s3://bucket/prefix (boto3, honours AWS_EN
 adapters, http(s)://... archives (.tar.gz, .tgz, .tar, .zip), unpacked with strict checks. A `FileSet`
 says which files a load takes (ADAPTER_FILESET, MODEL_FILESET): only safetensors weights, never pickle; a
 source with only pickle weights is refused. model_store.py fetches models through the same parse, file
-selection, clients and error texts; `fetch` below materialises adapters.
+selection, clients and error texts (list_s3_files, s3_reason, hf_reason); `fetch` below materialises adapters.
 
 One byte budget bounds everything an adapter fetch writes (a downloaded archive and the files taken from it
 together), counted before each chunk is written; decompressed archive data never touches the disk.
@@ -46,6 +46,7 @@ MAX_ARCHIVE_MEMBERS = 10_000
 MAX_REDIRECTS = 5
 _TAR_OVERHEAD = 2048  # bytes of headers and padding allowed per tar member, beyond the file data
 _CHUNK = 1 << 20
+_MAX_REASON = 300  # characters of an unexpected error's message kept in a reason
 
 _HF_REPO = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
 _S3_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
@@ -471,31 +472,50 @@ def _fetch_hf(source: Source, dest: Path, limits: _Limits) -> None:
             endpoint=hf_endpoint(),
             token=hf_token(),
         )
-    except Exception as exc:
-        hint = (
-            "HF_HUB_OFFLINE is set, so the adapter must already be in the local Hugging Face cache "
-            "(download it once online, or point HF_HUB_CACHE at a cache that holds it)"
-            if offline
-            else "check the repo id, the revision, network access, and HF_TOKEN for private or gated repos"
+    except Exception as exc:  # noqa: BLE001 - huggingface_hub's errors are mapped to reasons, the rest named
+        not_cached = (
+            "not in the local Hugging Face cache and HF_HUB_OFFLINE is set; download it once online, or point "
+            "HF_HUB_CACHE at a cache that holds it"
         )
-        raise AdapterSourceError(
-            f"cannot fetch {source.uri}: {type(exc).__name__}: {exc}; {hint}", transient=_hf_transient(exc)
-        ) from exc
+        reason, transient = hf_reason(exc, source, offline, not_cached)
+        raise AdapterSourceError(reason, transient=transient) from exc
     _copy_local_tree(Path(str(snapshot)) / source.subfolder, dest, limits.budget, source.uri)
 
 
-def _hf_transient(exc: Exception) -> bool:
-    """Whether a huggingface_hub failure may pass by itself: no answer, a timeout, a 5xx or 429."""
+def hf_reason(exc: Exception, source: Source, offline: bool, not_cached: str) -> tuple[str, bool]:
+    """A huggingface_hub failure as what to fix (never the token), and whether trying again later may succeed
+    (no answer, a timeout, a 5xx or 429). `not_cached`: what to do when offline and the cache lacks the source."""
     from huggingface_hub import errors
 
-    if isinstance(exc, (errors.RepositoryNotFoundError, errors.RevisionNotFoundError, errors.GatedRepoError)):
-        return False
-    if isinstance(exc, errors.EntryNotFoundError) or (hf_offline() and isinstance(exc, errors.LocalEntryNotFoundError)):
-        return False
-    response = getattr(exc, "response", None)
-    if response is not None and getattr(response, "status_code", None) is not None:
-        return _transient_status(int(response.status_code))
-    return True  # no answer from the Hub (connection, timeout)
+    uri = source.uri
+    incomplete = getattr(errors, "IncompleteSnapshotError", errors.LocalEntryNotFoundError)  # huggingface_hub 1.x+
+    if isinstance(exc, (errors.LocalEntryNotFoundError, incomplete, errors.OfflineModeIsEnabled)):
+        if offline:
+            return f"{uri}: {not_cached}", False
+        return f"{uri}: cannot reach the Hub at {hf_endpoint() or 'https://huggingface.co'} (check the network)", True
+    if isinstance(exc, errors.RevisionNotFoundError):
+        return f"{uri}: revision {source.revision or 'main'} not found", False
+    if isinstance(exc, errors.GatedRepoError):
+        return (
+            f"{uri}: gated repository: accept its conditions on the Hub and set HF_TOKEN of an account with access",
+            False,
+        )
+    if isinstance(exc, errors.RepositoryNotFoundError):
+        if hf_token() is None:
+            return f"{uri}: repository not found (check the repo id; a private repo needs HF_TOKEN)", False
+        return f"{uri}: repository not found, or HF_TOKEN cannot read it (check the repo id and the token)", False
+    if isinstance(exc, errors.EntryNotFoundError):
+        return f"{uri}: a file of the repository could not be found on the Hub; try again or pin a revision", False
+    status = getattr(getattr(exc, "response", None), "status_code", None)
+    if isinstance(exc, errors.HfHubHTTPError) and status is not None:
+        if status in (401, 403):
+            return f"{uri}: access denied (HTTP {status}); check HF_TOKEN", False
+        return f"{uri}: the Hub answered HTTP {status}", _transient_status(int(status))
+    message = scrub_secrets(" ".join(str(exc).split()))  # scrubbed before it is cut: no secret's prefix left
+    if len(message) > _MAX_REASON:
+        message = message[: _MAX_REASON - 3] + "..."
+    transient = status is None or _transient_status(int(status))  # no answer (connection, timeout): may pass
+    return f"{uri}: download failed ({type(exc).__name__}{': ' if message else ''}{message})", transient
 
 
 def _transient_status(status: int) -> bool:
@@ -544,23 +564,28 @@ def list_s3_files(client: Any, source: Source, fileset: FileSet) -> dict[str, S3
     return found
 
 
-def s3_reason(exc: Exception, uri: str) -> str:
-    """A botocore error as what to fix; never the credentials, a signature or a presigned URL."""
+def s3_reason(exc: Exception, uri: str) -> tuple[str, bool]:
+    """A botocore error as what to fix (never the credentials, a signature or a presigned URL), and whether
+    trying again later may succeed (no answer, a timeout, a 5xx or 429)."""
     from botocore.exceptions import ClientError, EndpointConnectionError, NoCredentialsError
 
     if isinstance(exc, NoCredentialsError):
-        return f"{uri}: no S3 credentials found (set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE)"
+        return (
+            f"{uri}: no S3 credentials found (set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE)",
+            False,
+        )
     if isinstance(exc, EndpointConnectionError):
         endpoint = _without_userinfo(s3_endpoint() or "of AWS")
-        return f"{uri}: cannot reach the S3 endpoint {endpoint} (check AWS_ENDPOINT_URL)"
+        return f"{uri}: cannot reach the S3 endpoint {endpoint} (check AWS_ENDPOINT_URL)", True
     if not isinstance(exc, ClientError):
-        return f"{uri}: S3 request failed ({type(exc).__name__})"
+        return f"{uri}: S3 request failed ({type(exc).__name__})", True
     code = str(exc.response.get("Error", {}).get("Code", ""))
     if code in ("NoSuchBucket",):
-        return f"{uri}: bucket does not exist at this endpoint"
+        return f"{uri}: bucket does not exist at this endpoint", False
     if code in ("AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken", "ExpiredToken"):
-        return f"{uri}: access denied (check the S3 credentials)"
-    return f"{uri}: S3 error {code or 'unknown'}"
+        return f"{uri}: access denied (check the S3 credentials)", False
+    status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
+    return f"{uri}: S3 error {code or 'unknown'}", _transient_status(status)
 
 
 def _without_userinfo(url: str) -> str:
@@ -571,61 +596,21 @@ def _without_userinfo(url: str) -> str:
 
 
 def _fetch_s3(source: Source, dest: Path, limits: _Limits) -> None:
+    """One listing (sizes included), the budget checked against it, then one GET per adapter file."""
     client = s3_client(limits.timeout_s)
     from botocore.exceptions import BotoCoreError, ClientError
 
     try:
-        _download_s3(client, source, dest, limits.budget)
-    except ClientError as exc:
-        code = exc.response.get("Error", {}).get("Code", "")
-        status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
-        raise AdapterSourceError(
-            f"cannot fetch {source.uri}: S3 error {code}: {exc}", transient=_transient_status(status)
-        ) from exc
-    except BotoCoreError as exc:
-        from botocore.exceptions import NoCredentialsError
-
-        raise AdapterSourceError(
-            f"cannot fetch {source.uri}: {exc}; check AWS credentials, and AWS_ENDPOINT_URL for S3-compatible stores",
-            transient=not isinstance(exc, NoCredentialsError),
-        ) from exc
-
-
-def _s3_size(client: Any, bucket: str, key: str) -> int | None:
-    """The object's size, or None if there is no such object."""
-    from botocore.exceptions import ClientError
-
-    try:
-        return int(client.head_object(Bucket=bucket, Key=key)["ContentLength"])
-    except ClientError as exc:
-        if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
-            return None
-        raise
-
-
-def _check_bucket(client: Any, bucket: str) -> None:
-    """Say so if the bucket does not exist (a HEAD on a missing bucket's object reads as a missing object)."""
-    from botocore.exceptions import ClientError
-
-    try:
-        client.head_bucket(Bucket=bucket)
-    except ClientError as exc:
-        if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchBucket", "NotFound"):
-            raise AdapterSourceError(f"S3 bucket {bucket!r} does not exist at this endpoint") from exc
-
-
-def _download_s3(client: Any, source: Source, dest: Path, budget: _Budget) -> None:
-    assert source.bucket is not None
-    key_of = {n: f"{source.prefix}/{n}" if source.prefix else n for n in (*ADAPTER_FILES, PICKLE_FILE)}
-    sizes = {n: s for n in ADAPTER_FILES if (s := _s3_size(client, source.bucket, key_of[n])) is not None}
-    has_pickle = WEIGHTS_FILE not in sizes and _s3_size(client, source.bucket, key_of[PICKLE_FILE]) is not None
-    if CONFIG_FILE not in sizes:
-        _check_bucket(client, source.bucket)
-    _require_files(set(sizes) | ({PICKLE_FILE} if has_pickle else set()), source.uri)
-    _check_total(list(sizes.values()), budget, source.uri)
-    for name in sizes:
-        with client.get_object(Bucket=source.bucket, Key=key_of[name])["Body"] as body:
-            _copy_stream(body, dest / name, budget, source.uri)
+        objects = list_s3_files(client, source, ADAPTER_FILESET)
+        _require_files(set(objects), source.uri)
+        wanted = {name: obj for name, obj in objects.items() if ADAPTER_FILESET.wants(name)}
+        _check_total([obj.size for obj in wanted.values()], limits.budget, source.uri)
+        for name, obj in wanted.items():
+            with client.get_object(Bucket=source.bucket, Key=obj.key)["Body"] as body:
+                _copy_stream(body, dest / name, limits.budget, source.uri)  # counted: it may have grown
+    except (BotoCoreError, ClientError) as exc:
+        reason, transient = s3_reason(exc, source.uri)
+        raise AdapterSourceError(reason, transient=transient) from exc
 
 
 # http
