@@ -90,7 +90,7 @@ def server_args(spec: Mapping[str, Any]) -> list[str]:
     return args + [str(a) for a in spec.get("args") or []]
 
 
-def _secret_env(name: str, secret: str, key: str) -> dict[str, Any]:
+def secret_env(name: str, secret: str, key: str) -> dict[str, Any]:
     """An env var read from a Secret by the kubelet: the value never enters a manifest."""
     return {"name": name, "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}
 
@@ -101,14 +101,14 @@ def credentials_env(spec: Mapping[str, Any]) -> list[dict[str, Any]]:
     env: list[dict[str, Any]] = []
     hf = creds.get("huggingFace") or {}
     if hf.get("secretName"):
-        env.append(_secret_env(c.HF_TOKEN_ENV, hf["secretName"], hf.get("key") or c.HF_TOKEN_ENV))
+        env.append(secret_env(c.HF_TOKEN_ENV, hf["secretName"], hf.get("key") or c.HF_TOKEN_ENV))
     if hf.get("endpoint"):
         env.append({"name": "HF_ENDPOINT", "value": str(hf["endpoint"])})
     s3 = creds.get("s3") or {}
     if s3.get("secretName"):
-        env.append(_secret_env(c.AWS_KEY_ID_ENV, s3["secretName"], s3.get("accessKeyIdKey") or c.AWS_KEY_ID_ENV))
+        env.append(secret_env(c.AWS_KEY_ID_ENV, s3["secretName"], s3.get("accessKeyIdKey") or c.AWS_KEY_ID_ENV))
         key = s3.get("secretAccessKeyKey") or c.AWS_SECRET_ENV
-        env.append(_secret_env(c.AWS_SECRET_ENV, s3["secretName"], key))
+        env.append(secret_env(c.AWS_SECRET_ENV, s3["secretName"], key))
     if s3.get("endpoint"):
         env.append({"name": "AWS_ENDPOINT_URL", "value": str(s3["endpoint"])})
     if s3.get("region"):
@@ -122,7 +122,7 @@ def _env(spec: Mapping[str, Any]) -> list[dict[str, Any]]:
     ]
     ref = spec.get("adminTokenSecretRef")
     if ref:
-        env.append(_secret_env(c.ADMIN_TOKEN_ENV, ref["name"], ref.get("key") or "token"))
+        env.append(secret_env(c.ADMIN_TOKEN_ENV, ref["name"], ref.get("key") or "token"))
     return env + credentials_env(spec) + [dict(e) for e in spec.get("env") or []]
 
 

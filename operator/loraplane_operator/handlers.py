@@ -19,7 +19,7 @@ import kopf
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from loraplane_operator import adapter_status as st
-from loraplane_operator import builders, kube, reconcile
+from loraplane_operator import builders, kube, reconcile, router_builders
 from loraplane_operator import constants as c
 from loraplane_operator.context import OperatorContext
 from loraplane_operator.server_status import PodInfo, ServerRef, current_pods, pod_info, server_ref, server_status
@@ -86,8 +86,8 @@ async def apply_server(
     patch: kopf.Patch,
     **_: Any,
 ) -> None:
-    """Model cache claim (if created) + Deployment + Service (+ HPA or ScaledObject), owned by the
-    BaseModelServer, applied idempotently."""
+    """Model cache claim (if created) + Deployment + Service (+ HPA or ScaledObject) (+ the router), owned by
+    the BaseModelServer, applied idempotently."""
     ctx, namespace = _ctx(memo), namespace or ""
     try:
         live = await reconcile.current_replicas(ctx, namespace, name) if builders.is_autoscaled(spec) else None
@@ -97,13 +97,14 @@ async def apply_server(
         autoscaler = builders.get_autoscaler(body)
         if autoscaler is not None:
             objs.append(autoscaler)
+        objs += router_builders.get_router_objects(body)
         kopf.adopt(objs, owner=body)
         await reconcile.apply_children(ctx, objs, namespace, name)
     except ApiException as exc:
         raise _api_error(exc, "applying the server's children") from exc
     patch.status["observedGeneration"] = meta.get("generation")
     patch.status["selector"] = builders.selector_string(name)
-    kopf.info(body, reason="Applied", message=", ".join(f"{o['kind']}/{name}" for o in objs))
+    kopf.info(body, reason="Applied", message=", ".join(f"{o['kind']}/{o['metadata']['name']}" for o in objs))
 
 
 @kopf.timer(*BMS, interval=c.SERVER_RESYNC_S)  # type: ignore[arg-type]  # index kwargs are not in kopf's protocols

@@ -19,6 +19,9 @@ PLURALS = {
     "PersistentVolumeClaim": "persistentvolumeclaims",
     "HorizontalPodAutoscaler": "horizontalpodautoscalers",
     "ScaledObject": c.KEDA_PLURAL,
+    "ServiceAccount": "serviceaccounts",
+    "Role": "roles",
+    "RoleBinding": "rolebindings",
     c.BMS_KIND: c.BMS_PLURAL,
     c.LORA_KIND: c.LORA_PLURAL,
 }

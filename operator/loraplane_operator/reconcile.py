@@ -18,6 +18,7 @@ from loraplane_operator import constants as c
 from loraplane_operator import kube
 from loraplane_operator.admin_client import AdminError, PermanentAdminError, RetryableAdminError
 from loraplane_operator.context import OperatorContext
+from loraplane_operator.router_builders import ROUTER_KINDS, router_name
 from loraplane_operator.server_status import ModelReport, PodInfo, ServerRef, model_report, ready_pods
 
 AUTOSCALERS = ((c.HPA_API_VERSION, "HorizontalPodAutoscaler"), (c.KEDA_API_VERSION, "ScaledObject"))
@@ -39,8 +40,9 @@ def age_s(timestamp: str | None, now: str) -> float | None:
 
 # BaseModelServer
 async def apply_children(ctx: OperatorContext, objs: Sequence[Mapping[str, Any]], namespace: str, name: str) -> None:
-    """Apply the model cache's claim (created once), the Deployment, Service and autoscaler; delete the
-    autoscaler kind the spec no longer asks for. The claim is never deleted here (its owner's deletion does)."""
+    """Apply the model cache's claim (created once), the Deployment, Service, autoscaler and router; delete the
+    autoscaler kind and the router objects the spec no longer asks for. The claim is never deleted here (its
+    owner's deletion does)."""
     for obj in objs:
         try:
             if obj["kind"] == "PersistentVolumeClaim" and await _exists(ctx, obj):
@@ -49,10 +51,11 @@ async def apply_children(ctx: OperatorContext, objs: Sequence[Mapping[str, Any]]
         except ApiException as exc:
             exc.reason = f"{obj['kind']} ({obj['apiVersion']}): {exc.reason}"
             raise
-    kinds = {o["kind"] for o in objs}
-    for api_version, kind in AUTOSCALERS:
-        if kind not in kinds:
-            await kube.delete_if_exists(ctx.api, api_version, kind, namespace, name)
+    applied = {(o["kind"], o["metadata"]["name"]) for o in objs}
+    gone = [(v, k, name) for v, k in AUTOSCALERS] + [(v, k, router_name(name)) for v, k in ROUTER_KINDS]
+    for api_version, kind, obj_name in gone:
+        if (kind, obj_name) not in applied:
+            await kube.delete_if_exists(ctx.api, api_version, kind, namespace, obj_name)
 
 
 async def _exists(ctx: OperatorContext, obj: Mapping[str, Any]) -> bool:
