@@ -1,18 +1,23 @@
-"""The architectures beyond Llama (Qwen3, Phi-3, Gemma 3; Mistral's window), each on a tiny random model
-built from transformers' own config class: greedy token-for-token parity with transformers under
+"""The architectures beyond Llama (Qwen3, Phi-3, Gemma 3 text and multimodal; Mistral's window), each on a tiny
+random model built from transformers' own config class: greedy token-for-token parity with transformers under
 continuous batching (joins, prefix hits, preemption), a mixed batch of PEFT adapters (different ranks and
 targets, Phi-3's fused ones included) equal to PEFT per adapter, bf16 runs scored by the fp32 model, the
 context capped where the engine would not be exact, and unsupported architectures refused at start."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import random
+import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -24,9 +29,10 @@ from lora_helpers import make_peft_adapter, peft_greedy, teacher_forced
 from loraplane_server.config import EngineConfig
 from loraplane_server.engine import LLMEngine
 from loraplane_server.layers import cpu_kernels
+from loraplane_server.layers.rotary import rope_kind
 from loraplane_server.layers.triton_attention import triton_available
 from loraplane_server.lora.weights import AdapterError, load_lora
-from loraplane_server.models import registry
+from loraplane_server.models import loader, registry
 from loraplane_server.models.llama import ModelArgs
 from loraplane_server.sampling_params import SamplingParams
 from loraplane_server.sources import ModelSourceError
@@ -46,13 +52,48 @@ VARIANTS: dict[str, tuple[str, dict]] = {
             rope_scaling=dict(type="longrope", short_factor=[1.0, 1.5, 2.0, 4.0], long_factor=[8.0] * 4),
         ),
     ),
+    # a full rotary under LongRoPE, as Phi-3.5-mini has (the fused bf16 decoder layer applies)
+    "phi3-longrope-full": (
+        "phi3",
+        dict(
+            original_max_position_embeddings=128,
+            rope_scaling=dict(
+                type="longrope", short_factor=[1.0, 1.1, 1.25, 1.5, 2.0, 2.5, 3.0, 4.0], long_factor=[8.0] * 8
+            ),
+        ),
+    ),
     "gemma3": ("gemma3", {}),
+    # linear rope scaling on the global layers alone, as every Gemma 3 from 4B up; sqrt(80) is not exact in any
+    # dtype, so the embedding scale's rounding counts
+    "gemma3-linear": (
+        "gemma3",
+        dict(
+            hidden_size=80,
+            rope_parameters=dict(
+                full_attention=dict(rope_type="linear", factor=8.0, rope_theta=20000.0),
+                sliding_attention=dict(rope_type="default", rope_theta=1000.0),
+            ),
+        ),
+    ),
+    # Gemma3ForConditionalGeneration (4B and up) served as its language model: untied, linear global rope
+    "gemma3-mm": ("gemma3-mm", dict(hidden_size=96, rope_scaling=dict(rope_type="linear", factor=8.0))),
 }
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ADAPTERS: dict[str, dict] = {  # three ranks, three target sets, one rsLoRA
     "qv-r4": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
     "all-r8": dict(r=8, lora_alpha=16, target_modules=list(ALL)),
     "mlp-rs16": dict(r=16, lora_alpha=4, use_rslora=True, target_modules=["o_proj", "gate_proj", "down_proj"]),
+}
+_MM = ".*language_model.*\\."  # PEFT target regexes on the language model alone (SigLIP has q/k/v too)
+MM_ADAPTERS: dict[str, dict] = {  # as ADAPTERS; one alpha_pattern by the full module name PEFT sees
+    "qv-r4": dict(r=4, lora_alpha=8, target_modules=_MM + "(q_proj|v_proj)"),
+    "all-r8": dict(
+        r=8,
+        lora_alpha=16,
+        target_modules=_MM + f"({'|'.join(ALL)})",
+        alpha_pattern={"model.language_model.layers.1.self_attn.q_proj": 64},
+    ),
+    "mlp-rs16": dict(r=16, lora_alpha=4, use_rslora=True, target_modules=_MM + "(o_proj|gate_proj|down_proj)"),
 }
 PHI3_ADAPTERS: dict[str, dict] = {  # PEFT on Phi-3 sees only the fused projections
     "qkv-r4": dict(r=4, lora_alpha=8, target_modules=["qkv_proj"]),
@@ -61,10 +102,46 @@ PHI3_ADAPTERS: dict[str, dict] = {  # PEFT on Phi-3 sees only the fused projecti
 }
 
 
+def save_tiny_gemma3_multimodal(path: Path, **text_overrides: Any) -> Path:
+    """A Gemma3ForConditionalGeneration with a tiny SigLIP tower; its language model is conftest's tiny gemma3
+    (with text_overrides) and its lm_head untied (the top-level tie_word_embeddings rules, not text_config's)."""
+    import transformers
+
+    text_dir = save_tiny(path.with_name(f"{path.name}-text"), "gemma3", **text_overrides)
+    text = transformers.Gemma3ForCausalLM.from_pretrained(str(text_dir), dtype=torch.float32)
+    vision = dict(
+        model_type="siglip_vision_model",
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=16,
+        patch_size=4,
+    )
+    config = transformers.Gemma3Config(
+        text_config=text.config.to_dict(), vision_config=vision, mm_tokens_per_image=4, tie_word_embeddings=False
+    )
+    torch.manual_seed(5)
+    model = transformers.Gemma3ForConditionalGeneration(config)
+    with torch.no_grad():
+        model.model.language_model.load_state_dict(text.model.state_dict())
+        embed = text.model.embed_tokens.weight
+        model.lm_head.weight.copy_(torch.randn_like(embed) * embed.std())
+    model.save_pretrained(str(path), safe_serialization=True)
+    shutil.rmtree(text_dir)
+    return path
+
+
+def save_variant(path: Path, kind: str, **overrides: Any) -> Path:
+    if kind == "gemma3-mm":
+        return save_tiny_gemma3_multimodal(path, **overrides)
+    return save_tiny(path, kind, **overrides)
+
+
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {
-        name: save_tiny(tmp_path_factory.mktemp(name), kind, **overrides)
+        name: save_variant(tmp_path_factory.mktemp(name), kind, **overrides)
         for name, (kind, overrides) in VARIANTS.items()
     }
 
@@ -126,12 +203,13 @@ def test_logprobs_match_transformers(variant: str, model_dirs: dict[str, Path], 
         assert torch.equal(chosen, best)
 
 
-@pytest.mark.parametrize("variant", ["qwen3", "phi3", "gemma3"])
+@pytest.mark.parametrize("variant", ["qwen3", "phi3", "gemma3", "gemma3-mm"])
 def test_mixed_adapter_batch_matches_peft(variant: str, model_dirs: dict[str, Path], tmp_path: Path) -> None:
     """Three PEFT adapters (ranks 4, 8, 16; q/v, every projection, o/MLP with rsLoRA) and base rows in one
-    continuous batch; each adapter's greedy tokens equal PEFT's with that adapter alone."""
+    continuous batch; each adapter's greedy tokens equal PEFT's with that adapter alone (on the multimodal
+    Gemma 3: adapters on its language model, named model.language_model.layers.N)."""
     base = model_dirs[variant]
-    specs = PHI3_ADAPTERS if variant == "phi3" else ADAPTERS
+    specs = {"phi3": PHI3_ADAPTERS, "gemma3-mm": MM_ADAPTERS}.get(variant, ADAPTERS)
     adapters = {
         name: make_peft_adapter(base, tmp_path / name, seed=i, **spec) for i, (name, spec) in enumerate(specs.items())
     }
@@ -172,14 +250,115 @@ def test_fused_targets_split_exactly_and_are_refused_elsewhere(model_dirs: dict[
         load_lora(path, "a", llama_args, 16, torch.float32)
 
 
+def test_a_multimodal_gemma3_loads_its_language_model_alone(
+    model_dirs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The language model's tensors under either naming (transformers 5's model.language_model.*, older
+    checkpoints' language_model.model.* and language_model.lm_head) load the same model; the vision tower's and
+    the projector's tensors are never read."""
+    from safetensors.torch import load_file, save_file
+
+    src = model_dirs["gemma3-mm"]
+    tensors = load_file(str(src / "model.safetensors"))
+    namings = (  # (transformers 5's, older): transformers 5.24 still saves the older
+        ("model.language_model.", "language_model.model."),
+        ("model.vision_tower.", "vision_tower."),
+        ("model.multi_modal_projector.", "multi_modal_projector."),
+        ("lm_head.", "language_model.lm_head."),
+    )
+    renamed = {}
+    for key, tensor in tensors.items():
+        this, other = next((a, b) for pair in namings for a, b in (pair, pair[::-1]) if key.startswith(a))
+        renamed[other + key.removeprefix(this)] = tensor
+    assert {k.split(".")[0] for k in renamed | tensors} >= {"model", "language_model", "vision_tower"}
+    other_dir = tmp_path / "other"
+    other_dir.mkdir()
+    shutil.copy(src / "config.json", other_dir / "config.json")
+    save_file(renamed, str(other_dir / "model.safetensors"))
+    read: list[str] = []
+    safe_open = loader.safe_open
+
+    @contextlib.contextmanager
+    def recording(*args: Any, **kwargs: Any) -> Iterator[SimpleNamespace]:
+        with safe_open(*args, **kwargs) as f:
+
+            def get_tensor(name: str) -> torch.Tensor:
+                read.append(name)
+                return f.get_tensor(name)
+
+            yield SimpleNamespace(keys=f.keys, get_tensor=get_tensor)
+
+    monkeypatch.setattr(loader, "safe_open", recording)
+    models = [loader.load_model(d, torch.float32, torch.device("cpu"), 64) for d in (src, other_dir)]
+    assert read and not any("vision_tower" in n or "multi_modal_projector" in n for n in read)
+    assert len(read) == sum(1 for k in renamed | tensors if "language_model" in k or k.startswith("lm_head"))
+    assert models[0].lm_head is not None and models[0].args.model_type == "gemma3_text"
+    ours = models[0].state_dict()
+    assert ours.keys() == models[1].state_dict().keys()
+    assert all(torch.equal(t, models[1].state_dict()[k]) for k, t in ours.items())
+
+
+def test_gemma3_embedding_scale_is_rounded_to_the_dtype(model_dirs: dict[str, Path]) -> None:
+    """sqrt(80) is multiplied in bf16 (8.9375), bit for bit as transformers does; the unrounded factor differs."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir = model_dirs["gemma3-linear"]
+    ours = loader.load_model(model_dir, torch.bfloat16, torch.device("cpu"), 64)
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16).eval()
+    ids = torch.arange(VOCAB)
+    with torch.no_grad():
+        scaled = ours.embed(ids)
+        assert torch.equal(scaled, hf.model.embed_tokens(ids))
+        assert not torch.equal(scaled, ours.embed_tokens(ids) * 80**0.5)
+
+
+def test_multimodal_gemma3_adapters_map_to_the_language_model(model_dirs: dict[str, Path], tmp_path: Path) -> None:
+    """A PEFT adapter on the language model maps its layers under either naming; one whose targets also match
+    SigLIP's q_proj / v_proj (a plain list of names does) loads as its language-model part (text prompts never
+    run the vision tower); one on the vision tower alone is refused."""
+    from safetensors.torch import load_file, save_file
+
+    base = model_dirs["gemma3-mm"]
+    args = registry.model_args(json.loads((base / "config.json").read_text()))
+    path = make_peft_adapter(base, tmp_path / "new", seed=0, **MM_ADAPTERS["qv-r4"])
+    new = load_lora(path, "new", args, 16, torch.float32)
+    assert sorted(new.tensors) == [(i, m) for i in range(3) for m in ("q_proj", "v_proj")]
+    other = tmp_path / "other"
+    shutil.copytree(path, other)
+    tensors = load_file(str(path / "adapter_model.safetensors"))
+    this, that = "base_model.model.model.language_model.", "base_model.model.language_model.model."
+    if not next(iter(tensors)).startswith(this):
+        this, that = that, this
+    assert all(k.startswith(this) for k in tensors)
+    save_file({that + k.removeprefix(this): t for k, t in tensors.items()}, str(other / "adapter_model.safetensors"))
+    loaded = load_lora(other, "other", args, 16, torch.float32)
+    assert all(torch.equal(a, b) for k in new.tensors for a, b in zip(new.tensors[k], loaded.tensors[k], strict=True))
+    both = make_peft_adapter(base, tmp_path / "both", seed=0, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    both_tensors = load_file(str(both / "adapter_model.safetensors"))
+    assert any("vision_tower" in k for k in both_tensors)  # a plain list of names adapts SigLIP too
+    text_only = {k: t for k, t in both_tensors.items() if "vision_tower" not in k}
+    loaded_both = load_lora(both, "both", args, 16, torch.float32)
+    shutil.copytree(both, tmp_path / "text-only")
+    save_file(text_only, str(tmp_path / "text-only" / "adapter_model.safetensors"))
+    loaded_text = load_lora(tmp_path / "text-only", "text-only", args, 16, torch.float32)
+    assert sorted(loaded_both.tensors) == sorted(loaded_text.tensors)  # the vision tower's tensors left out
+    for k in loaded_text.tensors:
+        assert all(torch.equal(a, b) for a, b in zip(loaded_both.tensors[k], loaded_text.tensors[k], strict=True))
+    vision_only = {k: t for k, t in both_tensors.items() if "vision_tower" in k}
+    save_file(vision_only, str(tmp_path / "text-only" / "adapter_model.safetensors"))
+    with pytest.raises(AdapterError, match="adapts only the vision tower"):
+        load_lora(tmp_path / "text-only", "vision", args, 16, torch.float32)
+
+
 @pytest.mark.requires_avx512_bf16
-@pytest.mark.parametrize("variant", ["qwen3", "phi3-longrope", "gemma3", "phi3"])
+@pytest.mark.parametrize("variant", ["qwen3", "phi3-longrope", "phi3-longrope-full", "gemma3", "gemma3-linear", "phi3"])
 def test_bf16_follows_the_fp32_model(
     variant: str, model_dirs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """bf16 on the CPU layer kernels: the one-call decoder layer runs for Llama-shaped Phi-3 only (never for
-    q/k norms, gelu, extra norms or a partial rotary), and the engine's greedy tokens, scored by transformers
-    in fp32 (teacher forcing), are the fp32 model's top token or within bf16 noise of it."""
+    """bf16 on the CPU layer kernels: the one-call decoder layer runs for Llama-shaped Phi-3 only, LongRoPE's
+    scaled cos/sin included (never for q/k norms, gelu, extra norms or a partial rotary), and the engine's greedy
+    tokens, scored by transformers in fp32 (teacher forcing), are the fp32 model's top token or within bf16 noise
+    of it."""
     from transformers import AutoModelForCausalLM
 
     fused_calls: list[int] = []
@@ -194,7 +373,7 @@ def test_bf16_follows_the_fp32_model(
     engine = engine_for(model_dir, tmp_path, dtype="bfloat16", layer_backend="cpu_kernel", num_kv_blocks=256)
     prompts, max_new, _ = prompts_within(min(engine.max_model_len, 96), seed=11)
     outs = engine.generate(prompts, [SamplingParams(max_new_tokens=n, ignore_eos=True, logprobs=True) for n in max_new])
-    assert bool(fused_calls) == (variant == "phi3")
+    assert bool(fused_calls) == (variant in ("phi3", "phi3-longrope-full"))
     hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     gaps, drifts = [], []
     for prompt, out in zip(prompts, outs, strict=True):
@@ -224,7 +403,8 @@ def write_checkpoint(path: Path, **cfg: object) -> Path:
             dict(model_type="gpt2", architectures=["GPT2LMHeadModel"]),
             "model_type 'gpt2' (architectures GPT2LMHeadModel)",
         ),
-        (dict(model_type="gemma3", architectures=["Gemma3ForConditionalGeneration"]), "model_type 'gemma3'"),
+        (dict(model_type="gemma3n", architectures=["Gemma3nForConditionalGeneration"]), "model_type 'gemma3n'"),
+        (dict(model_type="gemma3", architectures=["Gemma3ForSequenceClassification"]), "model_type 'gemma3'"),
         (dict(model_type="llama", architectures=["LlamaForSequenceClassification"]), "LlamaForSequenceClassification"),
     ],
 )
@@ -240,6 +420,7 @@ def test_unsupported_architectures_fail_at_start_with_the_supported_list(cfg: di
     for listed in ("llama (LlamaForCausalLM)", "qwen3 (Qwen3ForCausalLM)", "phi3 (Phi3ForCausalLM)"):
         assert listed in message
     assert "gemma3_text (Gemma3ForCausalLM)" in message
+    assert "gemma3 (Gemma3ForConditionalGeneration, text only)" in message
 
 
 def test_a_sliding_window_caps_the_context_where_the_engine_is_exact(
@@ -328,7 +509,7 @@ def hub_configs() -> dict[str, dict]:
         sliding_window_pattern=6,
         vocab_size=262144,
     )
-    phi = dict(
+    phi: dict[str, Any] = dict(
         model_type="phi3",
         architectures=["Phi3ForCausalLM"],
         hidden_size=3072,
@@ -364,6 +545,31 @@ def hub_configs() -> dict[str, dict]:
         "qwen3": dict(llama, model_type="qwen3", head_dim=128, max_position_embeddings=40960, sliding_window=None),
         "gemma-3-1b": gemma,
         "gemma-3-4b": dict(gemma, rope_scaling=dict(rope_type="linear", factor=8.0), sliding_window=1024),
+        # as published: a sparse text_config (the rest Gemma3TextConfig's defaults), a SigLIP vision_config
+        "gemma-3-4b-it": dict(
+            model_type="gemma3",
+            architectures=["Gemma3ForConditionalGeneration"],
+            eos_token_id=[1, 106],
+            mm_tokens_per_image=256,
+            text_config=dict(
+                model_type="gemma3_text",
+                hidden_size=2560,
+                intermediate_size=10240,
+                num_hidden_layers=34,
+                rope_scaling=dict(rope_type="linear", factor=8.0),
+                sliding_window=1024,
+            ),
+            vision_config=dict(
+                model_type="siglip_vision_model",
+                hidden_size=1152,
+                image_size=896,
+                intermediate_size=4304,
+                num_attention_heads=16,
+                num_hidden_layers=27,
+                patch_size=14,
+                vision_use_head=False,
+            ),
+        ),
         "phi-3.5-mini": phi,
         "phi-3-mini-4k": dict(phi, max_position_embeddings=4096, rope_scaling=None, sliding_window=2047),
         "phi-4-mini": dict(
@@ -384,6 +590,11 @@ def hub_configs() -> dict[str, dict]:
         ("qwen3", 40960, dict(head_dim=128, qkv_bias=False)),
         ("gemma-3-1b", 512, dict(attention_scale=1 / 16, local_rope_theta=10000.0, rope_scaling=None)),
         ("gemma-3-4b", 1024, dict(rope_theta=1e6, local_rope_scaling=None)),
+        (
+            "gemma-3-4b-it",
+            1024,
+            dict(model_type="gemma3_text", num_layers=34, head_dim=256, tie_word_embeddings=True, rope_theta=1e6),
+        ),
         ("phi-3.5-mini", 4096, dict(fused_projections=True, is_llama_shaped=True)),
         ("phi-3-mini-4k", 2047, dict(fused_projections=True)),
         ("phi-4-mini", 4096, dict(head_dim=96, rotated_dims=72, is_llama_shaped=False)),
@@ -396,6 +607,8 @@ def test_published_config_shapes(name: str, context: int, features: dict) -> Non
     assert {key: getattr(args, key) for key in features} == features
     if name.startswith("gemma"):
         assert "".join(kind[0] for kind in args.layer_types)[:12] == "sssssfsssssf"  # type: ignore[attr-defined]
+    if name.startswith("gemma-3-4b"):
+        assert rope_kind(args.rope_scaling) == "linear" and args.rope_scaling["factor"] == 8.0  # type: ignore[index]
 
 
 def test_an_invalid_config_is_a_clear_error() -> None:

@@ -12,11 +12,16 @@ matched as PEFT does in practice, a module-name suffix, by string comparison: no
 On a base model whose checkpoint fuses projections (Phi-3: qkv_proj, gate_up_proj), PEFT adapters target the
 fused names; such a pair (A [r, in], B [sum of outs, r]) is exactly one pair per projection we hold, the same A
 with B's rows split by projection, since x A^T B^T is the concatenation of x A^T B_p^T.
+
+A module is named by its tensors' PEFT path, whatever wraps the layers (model.layers.N, or a multimodal Gemma 3's
+model.language_model.layers.N / language_model.model.layers.N); tensors on a vision tower are left out (text
+prompts never run it, so the served text is the same), and an adapter with nothing else is refused.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 from dataclasses import dataclass, field
@@ -26,7 +31,10 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+from loraplane_server.models.gemma3 import VISION_MODULES
 from loraplane_server.models.llama import FUSED_PROJECTIONS, TARGET_MODULES, ModelArgs
+
+log = logging.getLogger("loraplane.adapters")
 
 _KEY = re.compile(r"layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
 
@@ -203,7 +211,17 @@ def load_lora(path: Path, adapter_id: str, args: ModelArgs, max_rank: int, dtype
     cfg = read_adapter_config(path)
     raw = _read_tensors(path)
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    paths: dict[tuple[int, str], str] = {}  # PEFT's module name, as alpha_pattern / rank_pattern match it
+    vision = {key for key in raw if any(part in key for part in VISION_MODULES)}
+    if vision:  # text prompts never run the vision tower: its LoRA changes nothing this server serves
+        log.info(
+            "adapter %s: %d tensors on the vision tower left out (only the language model is served)",
+            adapter_id,
+            len(vision),
+        )
     for key, tensor in raw.items():
+        if key in vision:
+            continue
         m = _KEY.search(key)
         if m is None:
             raise AdapterError(f"unexpected tensor {key!r}: only lora_A/lora_B of {', '.join(TARGET_MODULES)}")
@@ -212,13 +230,19 @@ def load_lora(path: Path, adapter_id: str, args: ModelArgs, max_rank: int, dtype
             _check_fused(module, key, args)
         if layer >= args.num_layers:
             raise AdapterError(f"{key!r}: layer {layer} but the base model has {args.num_layers} layers")
+        module_path = key[: m.end(3)].removeprefix("base_model.model.")
+        if paths.setdefault((layer, module), module_path) != module_path or which in pairs.get((layer, module), {}):
+            raise AdapterError(
+                f"layer {layer} {module}: lora_{which} under two names ({paths[(layer, module)]!r}, {key!r})"
+            )
         pairs.setdefault((layer, module), {})[which] = tensor
     if not pairs:
-        raise AdapterError("the adapter holds no LoRA tensors")
+        only = "; it adapts only the vision tower, and only the language model is served" if vision else ""
+        raise AdapterError(f"the adapter holds no LoRA tensors{only}")
     shapes = module_shapes(args)
     tensors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
     for (layer, module), ab in sorted(pairs.items()):
-        a, b = _check_pair(cfg, layer, module, ab, shapes[module], max_rank, dtype)
+        a, b = _check_pair(cfg, paths[(layer, module)], ab, shapes[module], max_rank, dtype)
         for sub, sub_b in _split_fused(module, b, shapes):
             if (layer, sub) in tensors:
                 raise AdapterError(f"layer {layer} {sub}: targeted both alone and through {module}")
@@ -249,14 +273,14 @@ def _split_fused(module: str, b: torch.Tensor, shapes: dict[str, tuple[int, int]
 
 def _check_pair(
     cfg: dict,
-    layer: int,
-    module: str,
+    path: str,
     ab: dict[str, torch.Tensor],
     shape: tuple[int, int],
     max_rank: int,
     dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    where = f"layer {layer} {module}"
+    """path: the module's PEFT name (model.layers.3.self_attn.q_proj)."""
+    where = path
     if set(ab) != {"A", "B"}:
         raise AdapterError(f"{where}: lora_A and lora_B must come in pairs")
     a, b = ab["A"], ab["B"]
@@ -269,8 +293,6 @@ def _check_pair(
         )
     if rank > max_rank:
         raise AdapterError(f"{where}: rank {rank} exceeds --max-lora-rank {max_rank}")
-    block = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj") else "mlp"
-    path = f"model.layers.{layer}.{block}.{module}"
     expected = _pattern_value(cfg.get("rank_pattern") or {}, path, cfg.get("r", rank))
     if expected != rank:
         raise AdapterError(f"{where}: tensors have rank {rank} but adapter_config.json says {expected}")

@@ -2,7 +2,10 @@
 gelu-tanh MLP between pre- and post-feed-forward norms, attention output normed before the residual add;
 query_pre_attn_scalar as the attention scale; two rope bases (local for sliding-window layers, global for
 full-attention ones); optional final logit softcapping. Sliding windows: models/registry.py caps the context
-at the window, where full attention is exact."""
+at the window, where full attention is exact.
+
+Gemma 3 4B/12B/27B (Gemma3ForConditionalGeneration) are served as their language model: its text_config, its
+weights (models/loader.py skips VISION_MODULES unread; lora/weights.py refuses adapters on them)."""
 
 from __future__ import annotations
 
@@ -16,6 +19,8 @@ from loraplane_server.layers.rotary import RotaryEmbedding
 from loraplane_server.models.llama import DecoderLayer, LlamaForCausalLM, ModelArgs
 
 SLIDING = "sliding_attention"
+# a multimodal checkpoint's parts that text serving never runs (under "model." in transformers 5's naming)
+VISION_MODULES = ("vision_tower.", "multi_modal_projector.")
 
 
 @dataclass(frozen=True)
@@ -45,6 +50,12 @@ def gemma3_args(cfg: dict) -> Gemma3Args:
         local_rope_scaling=local.rope_scaling,
         final_logit_softcapping=cfg.get("final_logit_softcapping"),
     )
+
+
+def gemma3_language_model(cfg: dict) -> dict:
+    """A normalized Gemma3ForConditionalGeneration config -> its language model's, as that class runs it: the
+    top-level tie_word_embeddings, and no final logit softcapping (its forward applies none)."""
+    return {**cfg["text_config"], "tie_word_embeddings": cfg["tie_word_embeddings"], "final_logit_softcapping": None}
 
 
 class Gemma3DecoderLayer(DecoderLayer):

@@ -1,4 +1,5 @@
-"""Build a model from a Hugging Face safetensors directory (single file or sharded)."""
+"""Build a model from a Hugging Face safetensors directory (single file or sharded); of a multimodal checkpoint,
+the language model alone."""
 
 from __future__ import annotations
 
@@ -11,10 +12,17 @@ from safetensors import safe_open
 
 from loraplane_server.layers.linear import ProjectionLinear
 from loraplane_server.models import registry
+from loraplane_server.models.gemma3 import VISION_MODULES
 from loraplane_server.models.llama import FUSED_PROJECTIONS, LlamaForCausalLM
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+_proj)\.(weight|bias)$")
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+# a multimodal checkpoint's language model -> the text model's names (transformers 5's naming, then older)
+_LANGUAGE_MODEL = (
+    ("model.language_model.", "model."),
+    ("language_model.model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+)
 
 
 def read_config(model_dir: Path) -> dict:
@@ -33,7 +41,9 @@ def _weight_files(model_dir: Path) -> list[Path]:
 
 
 def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, max_positions: int) -> LlamaForCausalLM:
-    args = registry.model_args(read_config(model_dir))
+    cfg = read_config(model_dir)
+    args = registry.model_args(cfg)
+    is_multimodal = registry.family_of(cfg).language_model is not None
     with torch.device(device):
         model = registry.build(args, max_positions)
     params = dict(model.named_parameters())
@@ -41,10 +51,22 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, max_po
     for path in _weight_files(model_dir):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                missing -= _load_one(model, params, name, f.get_tensor(name))
+                key = _language_model_name(name) if is_multimodal else name
+                if key is not None:
+                    missing -= _load_one(model, params, key, f.get_tensor(name))
     if missing:
         raise ValueError(f"{model_dir}: checkpoint lacks {sorted(missing)[:5]}")
     return model.to(dtype=dtype)
+
+
+def _language_model_name(name: str) -> str | None:
+    """A multimodal checkpoint's tensor name as the text model's; None for the vision parts (never read)."""
+    if name.removeprefix("model.").startswith(VISION_MODULES):
+        return None
+    for prefix, ours in _LANGUAGE_MODEL:
+        if name.startswith(prefix):
+            return ours + name.removeprefix(prefix)
+    return name
 
 
 def _expected_keys(model: LlamaForCausalLM) -> set[str]:

@@ -2,7 +2,8 @@
 context a model can be served at exactly.
 
 A config.json is first normalized by transformers' own config class for its model_type (legacy rope keys,
-layer_types, Qwen's use_sliding_window), so each family reads one current form.
+layer_types, Qwen's use_sliding_window), so each family reads one current form. A multimodal model (Gemma 3
+4B and up) is served as its language model: normalized() is then the language model's config.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from loraplane_server.layers.rotary import rope_kind
-from loraplane_server.models.gemma3 import Gemma3ForCausalLM, gemma3_args
+from loraplane_server.models.gemma3 import Gemma3ForCausalLM, gemma3_args, gemma3_language_model
 from loraplane_server.models.llama import LlamaForCausalLM, ModelArgs
 from loraplane_server.models.phi3 import phi3_args
 from loraplane_server.models.qwen3 import Qwen3ForCausalLM
@@ -25,6 +26,8 @@ class Family:
     architectures: tuple[str, ...]
     parse: Callable[[dict], ModelArgs]
     model_class: type[LlamaForCausalLM]
+    # a multimodal model's normalized config -> its language model's, which is served alone; None: a text model
+    language_model: Callable[[dict], dict] | None = None
 
 
 FAMILIES: dict[str, Family] = {
@@ -34,6 +37,7 @@ FAMILIES: dict[str, Family] = {
     "qwen3": Family(("Qwen3ForCausalLM",), ModelArgs.from_hf_config, Qwen3ForCausalLM),
     "phi3": Family(("Phi3ForCausalLM",), phi3_args, LlamaForCausalLM),
     "gemma3_text": Family(("Gemma3ForCausalLM",), gemma3_args, Gemma3ForCausalLM),
+    "gemma3": Family(("Gemma3ForConditionalGeneration",), gemma3_args, Gemma3ForCausalLM, gemma3_language_model),
 }
 
 
@@ -42,7 +46,10 @@ class UnsupportedModelError(ValueError):
 
 
 def supported() -> str:
-    return ", ".join(f"{name} ({', '.join(f.architectures)})" for name, f in FAMILIES.items())
+    return ", ".join(
+        f"{name} ({', '.join(f.architectures)}{', text only' if f.language_model else ''})"
+        for name, f in FAMILIES.items()
+    )
 
 
 def family_of(cfg: dict) -> Family:
@@ -55,16 +62,18 @@ def family_of(cfg: dict) -> Family:
 
 
 def normalized(cfg: dict) -> dict:
-    """cfg through transformers' config class for its (supported) model_type."""
+    """cfg through transformers' config class for its (supported) model_type; a multimodal model's: the
+    language model's config."""
     from huggingface_hub.errors import StrictDataclassError
     from transformers import CONFIG_MAPPING
 
-    family_of(cfg)
+    family = family_of(cfg)
     try:
-        return CONFIG_MAPPING[cfg["model_type"]].from_dict(cfg).to_dict()
+        norm = CONFIG_MAPPING[cfg["model_type"]].from_dict(cfg).to_dict()
     except (StrictDataclassError, ValueError, TypeError, KeyError) as exc:  # transformers' own validation
         cause = str(exc.__cause__ or exc).strip().splitlines()[-1]
         raise ValueError(f"config.json is not a valid {cfg['model_type']} config: {cause}") from None
+    return norm if family.language_model is None else family.language_model(norm)
 
 
 def model_args(cfg: dict) -> ModelArgs:
