@@ -53,7 +53,7 @@ def router_args(namespace: str, server: str, spec: Mapping[str, Any]) -> list[st
         "--namespace", namespace,
         "--selector", builders.selector_string(server),
         "--pod-port", str(builders.server_port(spec)),
-        "--host", "0.0.0.0",
+        "--host", f"$({c.POD_IP_ENV})",  # the pod's own address, as the server binds
         "--port", str(ROUTER_PORT),
         "--epsilon", str(router.get("epsilon", 0.25)),
         "--spill-queue", str(router.get("spillQueue", 8)),
@@ -64,7 +64,7 @@ def get_router_deployment(bms: Body) -> dict[str, Any]:
     meta, spec = bms["metadata"], bms.get("spec") or {}
     server, namespace = meta["name"], meta.get("namespace") or "default"
     router = spec.get("router") or {}
-    env: list[dict[str, Any]] = []
+    env: list[dict[str, Any]] = [{"name": c.POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
     ref = spec.get("adminTokenSecretRef")
     if ref:  # the servers' /v1/adapters (residency) needs their admin token
         env.append(
