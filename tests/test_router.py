@@ -125,3 +125,10 @@ def test_config_and_targets_refuse_what_cannot_work() -> None:
     ]
     with pytest.raises(ValueError, match="host:port"):
         static_targets(["127.0.0.1:8001"])
+    named = static_targets(["pod-a=http://127.0.0.1:8001", "http://x=y@127.0.0.2:8001/"])
+    assert [(t.name, t.url) for t in named] == [
+        ("pod-a", "http://127.0.0.1:8001"),
+        ("127.0.0.2:8001", "http://x=y@127.0.0.2:8001"),
+    ]
+    with pytest.raises(ValueError, match="one name"):
+        static_targets(["a=http://127.0.0.1:1", "a=http://127.0.0.1:2"])

@@ -21,6 +21,7 @@ from test_http_support import ADMIN_TOKEN, REPO, ServerProcess, admin_headers, f
 from loraplane_server.router.ranking import rank
 
 ADAPTERS = [f"tenant-{i}" for i in range(6)]
+POD_NAMES = ["pod-a", "pod-b"]  # what the ranking hashes (--pod NAME=URL): the same split in every run
 PROMPT = "The capital of France is"
 
 
@@ -29,8 +30,8 @@ class RouterProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "loraplane_server.cli", "router", "--port", str(self.port), *flags]
-        for pod in pods:
-            cmd += ["--pod", pod.url]
+        for name, pod in zip(POD_NAMES, pods, strict=True):
+            cmd += ["--pod", f"{name}={pod.url}"]
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
         env = {**os.environ, "LORAPLANE_ADMIN_TOKEN": ADMIN_TOKEN}
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO, env=env)
@@ -88,7 +89,7 @@ def pool(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 
 
 def home(adapter: str, pods: list[ServerProcess]) -> ServerProcess:
-    by_name = {p.url.removeprefix("http://"): p for p in pods}
+    by_name = dict(zip(POD_NAMES, pods, strict=True))
     return by_name[rank(adapter, by_name)[0]]
 
 
@@ -118,9 +119,10 @@ def test_adapters_load_only_on_their_home_pod_and_two_routers_agree(pool: list[S
             per_pod = {}
             for (pod_name, _), n in router.routed().items():
                 per_pod[pod_name] = per_pod.get(pod_name, 0) + n
-            expected = {}
-            for h in homes.values():
-                expected[h.url.removeprefix("http://")] = expected.get(h.url.removeprefix("http://"), 0) + 1
+            expected: dict[str, int] = {}
+            for a in ADAPTERS:
+                name = rank(a, POD_NAMES)[0]
+                expected[name] = expected.get(name, 0) + 1
             assert per_pod == expected
         direct = OpenAI(base_url=f"{homes[ADAPTERS[0]].url}/v1", api_key="unused", max_retries=0)
         same = direct.completions.create(model=ADAPTERS[0], prompt=PROMPT, max_tokens=6, temperature=0)

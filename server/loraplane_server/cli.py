@@ -233,7 +233,13 @@ def cmd_operator(a: argparse.Namespace) -> int:
 
 
 def _router_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--pod", action="append", default=[], metavar="URL", help="a server pod's URL (repeat)")
+    p.add_argument(
+        "--pod",
+        action="append",
+        default=[],
+        metavar="[NAME=]URL",
+        help="a server pod (repeat); NAME is what the ranking hashes (default host:port)",
+    )
     p.add_argument("--namespace", help="with --selector: find the server pods through the Kubernetes API")
     p.add_argument("--selector", help="label selector of the server pods, e.g. loraplane.dev/server=smollm2")
     p.add_argument("--pod-port", type=int, default=8080, help="the server pods' HTTP port (with --selector)")

@@ -33,14 +33,19 @@ class Target:
     url: str
 
 
-def static_targets(urls: Iterable[str]) -> list[Target]:
-    """Targets from URLs; each is named host:port (stable for as long as the URL is)."""
+def static_targets(pods: Iterable[str]) -> list[Target]:
+    """Targets from `URL` or `NAME=URL` entries; a pod without a name is named host:port. The name is what the
+    ranking hashes: give the Kubernetes pod names to agree with the operator's placement."""
     targets = []
-    for url in urls:
+    for entry in pods:
+        name, _, url = entry.partition("=") if "=" in entry.split("://", 1)[0] else ("", "", entry)
         parts = urlsplit(url.rstrip("/"))
         if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"--pod {url!r}: expected http(s)://host:port")
-        targets.append(Target(parts.netloc, url.rstrip("/")))
+            raise ValueError(f"--pod {entry!r}: expected [NAME=]http(s)://host:port")
+        address = f"{parts.hostname}:{parts.port}" if parts.port else parts.hostname  # never user:password
+        targets.append(Target(name or address, url.rstrip("/")))
+    if len({t.name for t in targets}) != len(targets):
+        raise ValueError("--pod: two pods with one name")
     return targets
 
 
