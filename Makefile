@@ -59,6 +59,7 @@ bench: model
 	$(BIN)/python bench/http_api.py
 	$(BIN)/python bench/linear.py
 	$(BIN)/python bench/attention.py
+	$(BIN)/python bench/routing.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
