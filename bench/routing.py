@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 import httpx
-from http_api import make_adapters  # bench/ is on sys.path when run as a script
+from http_api import free_port, make_adapters  # bench/ is on sys.path when run as a script
 
 from loraplane_server import cpu_features
 from loraplane_server.builtin import resolve_model
@@ -34,14 +34,6 @@ from loraplane_server.builtin import resolve_model
 REPO = Path(__file__).resolve().parent.parent
 TOKEN = "bench-admin-token"
 WORDS = "the a of river stone light morning city music quiet green open story travel paper window".split()
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def start(cmd: list[str], log: Path) -> subprocess.Popen:
