@@ -18,7 +18,7 @@ import pytest
 import yaml
 from test_crds import validate, violations
 
-from loraplane_operator import builders
+from loraplane_operator import builders, router_builders
 from loraplane_operator import constants as c
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,6 +32,7 @@ ALL_ON = {
         "engine": {"maxLoras": 8},
         "adapterSourceAllow": ["hf://"],
         "autoscaling": {"enabled": True, "kind": "hpa", "minReplicas": 1, "maxReplicas": 3, "targetQueueDepth": 4},
+        "inferencePool": {"enabled": True, "endpointPickerRef": {"name": "lp-epp"}},
     },
     "adapters": [
         {"name": "french", "source": "/opt/loraplane/adapters/french", "prewarm": {"tier": "device"}, "pinned": True},
@@ -99,7 +100,7 @@ def test_render_defaults(helm):
     for kind in ["ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Deployment"]:
         assert kind in kinds
     # nothing optional by default
-    for kind in ["BaseModelServer", "LoRAAdapter", "ServiceMonitor", "PodMonitor", "ConfigMap"]:
+    for kind in ["BaseModelServer", "LoRAAdapter", "ServiceMonitor", "PodMonitor", "ConfigMap", "InferencePool"]:
         assert kind not in kinds
 
 
@@ -373,3 +374,73 @@ def test_model_values_checked_by_the_schema(helm: str, tmp_path: Path, server: d
     out = p.stdout + p.stderr
     assert p.returncode != 0 and "schema" in out.lower() and field in out, out[-500:]
     assert "do-not-paste" not in out
+
+
+POOL = {"enabled": True, "endpointPickerRef": {"name": "lp-epp"}}
+
+
+@pytest.mark.parametrize(
+    "values",
+    [{}, {"server": {"enabled": True}}, {"server": {"inferencePool": POOL}}],
+    ids=["defaults", "server-only", "pool-without-server"],
+)
+def test_inference_pool_off_by_default(helm: str, tmp_path: Path, values: dict) -> None:
+    """No InferencePool unless asked for, and never without the chart's server (it selects that server's pods)."""
+    docs = _render(helm, "-f", _values_file(tmp_path, values))
+    assert "InferencePool" not in {d["kind"] for d in docs}
+    assert yaml.safe_load((CHART / "values.yaml").read_text())["server"]["inferencePool"]["enabled"] is False
+
+
+def test_inference_pool_selects_the_server_pods(helm: str, tmp_path: Path) -> None:
+    """The pool selects exactly the pods of the server Deployment the operator builds (the router's selector),
+    not the router pods, on the server container's port; the endpoint picker as given, port 9002 by default."""
+    pool_values = {**POOL, "endpointPickerRef": {"name": "lp-epp", "failureMode": "FailOpen"}}
+    server = {"enabled": True, "name": "smollm2", "port": 8123, "router": {"enabled": True}}
+    docs = _render(helm, "-f", _values_file(tmp_path, {"server": {**server, "inferencePool": pool_values}}))
+    pool = _one(docs, "InferencePool")
+    assert pool["apiVersion"] == "inference.networking.k8s.io/v1"
+    assert pool["metadata"]["name"] == "smollm2" and pool["metadata"]["namespace"] == "loraplane-system"
+    assert pool["metadata"]["labels"]["app.kubernetes.io/instance"] == "lp"  # the uninstall hook's selector
+    bms = _one(docs, "BaseModelServer")
+    assert "inferencePool" not in bms["spec"]  # not a BaseModelServer field
+    spec = pool["spec"]
+    selector = spec["selector"]["matchLabels"]
+    deployment = builders.get_deployment(bms)
+    assert selector == deployment["spec"]["selector"]["matchLabels"] == builders.selector_labels("smollm2")
+    assert selector.items() <= deployment["spec"]["template"]["metadata"]["labels"].items()
+    assert not selector.items() <= router_builders.router_labels("smollm2").items()
+    args = router_builders.router_args("loraplane-system", "smollm2", bms["spec"])
+    assert args[args.index("--selector") + 1] == ",".join(f"{k}={v}" for k, v in sorted(selector.items()))
+    (ctr,) = deployment["spec"]["template"]["spec"]["containers"]
+    assert spec["targetPorts"] == [{"number": 8123}] and ctr["ports"][0]["containerPort"] == 8123
+    assert spec["endpointPickerRef"] == {"name": "lp-epp", "port": {"number": 9002}, "failureMode": "FailOpen"}
+    default = _one(_render(helm, "-f", _values_file(tmp_path, ALL_ON, "all.yaml")), "InferencePool")["spec"]
+    assert default["targetPorts"] == [{"number": 8080}]
+    assert default["endpointPickerRef"] == {"name": "lp-epp", "port": {"number": 9002}, "failureMode": "FailClose"}
+    assert default["selector"]["matchLabels"] == builders.selector_labels("lp-loraplane")
+
+
+@pytest.mark.parametrize("picker", [{}, {"name": ""}], ids=["absent", "empty"])
+def test_inference_pool_needs_the_picker_name(helm: str, tmp_path: Path, picker: dict) -> None:
+    values = {"server": {"enabled": True, "inferencePool": {"enabled": True, "endpointPickerRef": picker}}}
+    p = _run(helm, "template", "lp", str(CHART), "-f", _values_file(tmp_path, values))
+    assert p.returncode != 0
+    assert "server.inferencePool.endpointPickerRef.name is required" in p.stderr, p.stderr
+
+
+@pytest.mark.parametrize(
+    ("picker", "field"),
+    [({"failureMode": "FailSometimes"}, "failureMode"), ({"port": 0}, "port"), ({"kind": "Deployment"}, "kind")],
+)
+def test_inference_pool_values_checked_by_the_schema(helm: str, tmp_path: Path, picker: dict, field: str) -> None:
+    pool = {"enabled": True, "endpointPickerRef": {"name": "lp-epp", **picker}}
+    p = _run(
+        helm,
+        "template",
+        "lp",
+        str(CHART),
+        "-f",
+        _values_file(tmp_path, {"server": {"enabled": True, "inferencePool": pool}}),
+    )
+    out = p.stdout + p.stderr
+    assert p.returncode != 0 and "schema" in out.lower() and field in out, out[-500:]

@@ -48,3 +48,10 @@ app.kubernetes.io/component: operator
 app.kubernetes.io/name: loraplane-server
 app.kubernetes.io/component: model-server
 {{- end -}}
+
+{{/* The labels that select the chart's server's pods, not its router pods nor other servers' pods
+(loraplane_operator.builders.selector_labels: the server Deployment's selector). */}}
+{{- define "loraplane.serverSelector" -}}
+app.kubernetes.io/name: loraplane-server
+loraplane.dev/server: {{ include "loraplane.serverName" . | quote }}
+{{- end -}}
