@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import pytest
+from prometheus_client import generate_latest
 
-from loraplane_server.router.app import RouterConfig, adapter_of
+from loraplane_server.router.app import Router, RouterConfig, adapter_of, tier_name
 from loraplane_server.router.choice import PodView, Spill, choose, load_bound
+from loraplane_server.router.metrics import OTHER, POD_SERIES_TTL_S, AdapterCount, AdapterCounts, RouterMetrics
 from loraplane_server.router.pool import _load, static_targets
 from loraplane_server.router.ranking import rank
 
@@ -132,3 +135,58 @@ def test_config_and_targets_refuse_what_cannot_work() -> None:
     ]
     with pytest.raises(ValueError, match="one name"):
         static_targets(["a=http://127.0.0.1:1", "a=http://127.0.0.1:2"])
+
+
+def test_adapter_series_are_bounded_and_only_grow() -> None:
+    counts = AdapterCounts(max_labels=2)
+    for adapter, resident in [("a", True), ("a", True), ("b", False), ("c", True)]:
+        counts.record(adapter, resident)
+    assert dict(counts.series()) == {"a": AdapterCount(2, 2), "b": AdapterCount(1, 0), OTHER: AdapterCount(1, 1)}
+    for _ in range(2):  # c outgrows b (lifetime 2 > 1): b's series stops, c's starts from zero
+        counts.record("c", False)
+    assert dict(counts.series()) == {"a": AdapterCount(2, 2), "c": AdapterCount(2, 0), OTHER: AdapterCount(1, 1)}
+    for _ in range(3):  # b passes a (lifetime 3 > 2): resumes from its last value, a goes stale
+        counts.record("b", True)
+    assert dict(counts.series()) == {"b": AdapterCount(3, 2), "c": AdapterCount(2, 0), OTHER: AdapterCount(2, 2)}
+
+
+def test_router_metrics_count_tiers_and_forget_pods_gone_for_long() -> None:
+    metrics = RouterMetrics(max_adapter_labels=4)
+    view = PodView("pod-a", "http://a", {"french": "host", "json": "loading"})
+    for adapter in ("french", "json", None):
+        metrics.routed("pod-a", adapter, tier_name(view, adapter))
+    metrics.watch_pool(lambda: 1, lambda: {"hot": 3})
+    text = generate_latest(metrics.registry).decode()
+    for line in (
+        'loraplane_router_requests_total{pod="pod-a",tier="host"} 1.0',
+        'loraplane_router_requests_total{pod="pod-a",tier="none"} 1.0',
+        'loraplane_router_requests_total{pod="pod-a",tier="base"} 1.0',
+        'loraplane_router_adapter_resident_requests_total{adapter="french"} 1.0',
+        'loraplane_router_adapter_resident_requests_total{adapter="json"} 0.0',
+        'loraplane_router_adapter_home_width{adapter="hot"} 3.0',
+        "loraplane_router_resident_ratio 0.5",
+        "loraplane_router_pods 1.0",
+    ):
+        assert line in text, line
+    now = metrics.pod_seen["pod-a"]
+    metrics.pods_now(["pod-b"], now=now + POD_SERIES_TTL_S / 2)
+    assert 'pod="pod-a"' in generate_latest(metrics.registry).decode()
+    metrics.pods_now(["pod-b"], now=now + POD_SERIES_TTL_S + 1)
+    assert 'pod="pod-a"' not in generate_latest(metrics.registry).decode()
+
+
+def test_a_spilled_adapter_narrows_back_with_no_request_for_it() -> None:
+    config = RouterConfig(pods=tuple(f"{n}=http://{n}:8080" for n in NAMES), spill_queue=2)
+    router = Router(config, httpx.AsyncClient())
+    router.pool.pods = {p.name: p for p in pods()}
+    first, *_ = rank("hot", NAMES)
+    router.pool.pods[first].queued = 5
+    router.order("hot")
+    assert router.spill.widths == {"hot": 2}
+    router.pool.pods[first].queued = 0
+    router.spill.settle_s = 0.0  # calm at once: the next poll narrows it
+    router.after_poll()
+    router.after_poll()
+    assert router.spill.widths == {}
+    text = generate_latest(router.metrics.registry).decode()
+    assert "loraplane_router_spills_total 1.0" in text and "loraplane_router_adapter_home_width{" not in text

@@ -51,13 +51,13 @@ class RouterProcess:
         raise TimeoutError(self.log_path.read_text())
 
     def routed(self) -> dict[tuple[str, str], float]:
-        """loraplane_router_requests by (pod, resident)."""
+        """loraplane_router_requests by (pod, tier)."""
         text = httpx.get(f"{self.url}/metrics", timeout=5).text
         out = {}
         for line in text.splitlines():
             if line.startswith("loraplane_router_requests_total{"):
                 labels = dict(kv.split("=") for kv in line[line.index("{") + 1 : line.index("}")].split(","))
-                out[(labels["pod"].strip('"'), labels["resident"].strip('"'))] = float(line.rsplit(" ", 1)[1])
+                out[(labels["pod"].strip('"'), labels["tier"].strip('"'))] = float(line.rsplit(" ", 1)[1])
         return out
 
     def counter(self, name: str) -> float:
@@ -132,8 +132,19 @@ def test_adapters_load_only_on_their_home_pod_and_two_routers_agree(pool: list[S
         for adapter in ADAPTERS:
             oai = OpenAI(base_url=f"{routers[0].url}/v1", api_key="unused", max_retries=0)
             oai.completions.create(model=adapter, prompt=PROMPT, max_tokens=2, temperature=0)
-        resident = sum(n for (_, kind), n in routers[0].routed().items() if kind == "yes")
+        resident = sum(n for (_, tier), n in routers[0].routed().items() if tier in ("device", "host", "disk"))
         assert resident >= len(ADAPTERS)
+        text = httpx.get(f"{routers[0].url}/metrics", timeout=5).text
+        for adapter in ADAPTERS:  # 2 requests each through this router, each counted under its own name
+            assert f'loraplane_router_adapter_requests_total{{adapter="{adapter}"}} 2.0' in text, text
+        ratio = next(line for line in text.splitlines() if line.startswith("loraplane_router_resident_ratio "))
+        routed = routers[0].routed()
+        assert float(ratio.split()[1]) == pytest.approx(resident / sum(routed.values())) and resident >= 6
+        assert f"loraplane_router_pods {float(len(pool))}" in text
+        for adapter in ADAPTERS:  # the answer names its pod: the adapter's home
+            body = {"model": adapter, "prompt": PROMPT, "max_tokens": 1}
+            answer = httpx.post(f"{routers[1].url}/v1/completions", json=body, timeout=60)
+            assert answer.headers["x-loraplane-pod"] == rank(adapter, POD_NAMES)[0]
     finally:
         for r in routers:
             r.stop()

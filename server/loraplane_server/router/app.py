@@ -3,8 +3,9 @@
 The adapter comes from the body (OpenAI `model`, LoRAX `parameters.adapter_id`); `choice.choose` orders the
 pods for it. A pod that cannot be reached before any byte of its answer is left for the next one in that
 order; once the answer has started it streams through as it comes (SSE included), and a client that hangs up
-closes the upstream request, so the pod aborts it. Adapter admin is per pod and not routed (404 with a hint).
-The router's own /health, /ready (some pod Ready) and /metrics (the pods' metrics are scraped from the pods).
+closes the upstream request, so the pod aborts it. Every routed answer names its pod (`x-loraplane-pod`).
+Adapter admin is per pod and not routed (404 with a hint). The router's own /health, /ready (some pod Ready)
+and /metrics (router/metrics.py; the pods' own metrics are scraped from the pods).
 """
 
 from __future__ import annotations
@@ -19,18 +20,20 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import httpx
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from loraplane_server.router.choice import PodView, Spill, choose
+from loraplane_server.router.choice import TIER_ORDER, PodView, Spill, choose
+from loraplane_server.router.metrics import RouterMetrics
 from loraplane_server.router.pool import KubePods, Pool, static_targets
 
 log = logging.getLogger("loraplane.router")
 
+POD_HEADER = "x-loraplane-pod"  # on every routed answer: the pod that served it
 GENERATION_ROUTES = ("/generate", "/generate_stream", "/", "/v1/completions", "/v1/chat/completions")
 ADMIN_PREFIXES = ("/v1/adapters", "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/debug")
 # hop-by-hop headers (RFC 9110 7.6.1) and the ones httpx sets itself
@@ -54,6 +57,7 @@ class RouterConfig:
     poll_s: float = 1.0
     max_tries: int = 3  # pods tried before the first byte
     connect_timeout_s: float = 2.0
+    adapter_labels: int = 64  # adapters with their own metric series (the busiest)
 
     def __post_init__(self) -> None:
         if bool(self.pods) == bool(self.selector):
@@ -62,21 +66,8 @@ class RouterConfig:
             raise ValueError("--selector needs --namespace")
         if self.epsilon < 0 or self.spill_queue < 1 or self.poll_s <= 0 or self.max_tries < 1:
             raise ValueError("epsilon >= 0, spill_queue >= 1, poll_s > 0 and max_tries >= 1")
-
-
-class RouterMetrics:
-    def __init__(self) -> None:
-        r = self.registry = CollectorRegistry()
-        self.requests = Counter(
-            "loraplane_router_requests", "Requests routed, by pod and adapter kind", ["pod", "resident"], registry=r
-        )
-        self.retries = Counter("loraplane_router_retries", "Pods skipped before the first byte", registry=r)
-        self.failures = Counter("loraplane_router_failures", "Requests no pod could take", ["reason"], registry=r)
-        self.spills = Counter("loraplane_router_spills", "Adapter homes widened to one more pod", registry=r)
-        self.upstream = Histogram(
-            "loraplane_router_upstream_seconds", "Time to the pod's response headers", registry=r,
-            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
-        )  # fmt: skip
+        if self.adapter_labels < 0:
+            raise ValueError("adapter_labels >= 0")
 
 
 def adapter_of(path: str, body: bytes, base_models: set[str]) -> str | None:
@@ -102,18 +93,28 @@ class Router:
         static = static_targets(config.pods) if config.pods else None
         self.pool = Pool(http, static=static, kube=kube, admin_token=config.admin_token)
         self.spill = Spill(queue_threshold=config.spill_queue)
-        self.metrics = RouterMetrics()
+        self.metrics = RouterMetrics(config.adapter_labels)
+        self.metrics.watch_pool(lambda: len(self.pool.pods), lambda: self.spill.widths)
         self.base_models: set[str] = set()
 
     def order(self, adapter_id: str | None) -> list[PodView]:
         pods = self.pool.ready()
         width = 1
         if adapter_id is not None:
-            before = self.spill.spills
-            width = self.spill.observe(adapter_id, pods, time.monotonic())
-            if self.spill.spills > before:
-                self.metrics.spills.inc()
+            width = self._observe(adapter_id, pods, time.monotonic())
         return choose(adapter_id, pods, width, self.config.epsilon)
+
+    def _observe(self, adapter_id: str, pods: list[PodView], now: float) -> int:
+        before = self.spill.spills
+        width = self.spill.observe(adapter_id, pods, now)
+        self.metrics.spills.inc(self.spill.spills - before)
+        return width
+
+    def after_poll(self) -> None:
+        """Spilled adapters narrow back even when no request for them comes (their width is re-read per poll)."""
+        pods, now = self.pool.ready(), time.monotonic()
+        for adapter_id in list(self.spill.widths):
+            self._observe(adapter_id, pods, now)
 
     async def learn_base_models(self) -> None:
         """The base model's names, from a pod's /v1/models (entries with no parent)."""
@@ -156,19 +157,28 @@ class Router:
                 self.pool.release(pod.name)
                 raise
             self.metrics.upstream.observe(time.monotonic() - started)
-            resident = "base" if adapter_id is None else ("yes" if pod.tier_of(adapter_id) < 3 else "no")
-            self.metrics.requests.labels(pod.name, resident).inc()
+            self.metrics.routed(pod.name, adapter_id, tier_name(pod, adapter_id))
             if tried:
                 log.info("router: %s served after %d unreachable pods", pod.name, tried)
             done = _Done(response, functools.partial(self.pool.release, pod.name))
+            reply_headers = {k: v for k, v in response.headers.items() if k.lower() not in _DROP_HEADERS}
+            reply_headers[POD_HEADER] = pod.name
             return StreamingResponse(
                 _relay(response, done),
                 status_code=response.status_code,
-                headers={k: v for k, v in response.headers.items() if k.lower() not in _DROP_HEADERS},
+                headers=reply_headers,
                 background=BackgroundTask(done),
             )
         self.metrics.failures.labels("unreachable").inc()
         return _error(502, f"no server pod answered (tried {min(len(order), self.config.max_tries)})")
+
+
+def tier_name(pod: PodView, adapter_id: str | None) -> str:
+    """The metric's tier label: base (no adapter), device, host, disk or none (not resident)."""
+    if adapter_id is None:
+        return "base"
+    tier = pod.residency.get(adapter_id, "")
+    return tier if tier in TIER_ORDER else "none"
 
 
 class _Done:
@@ -209,13 +219,18 @@ def create_router_app(config: RouterConfig) -> Starlette:
         async with httpx.AsyncClient(limits=limits, timeout=timeout) as http:
             router = state["router"] = Router(config, http)
             stopped = asyncio.Event()
+            kube = router.pool.kube
+            watcher = asyncio.create_task(kube.watch(stopped)) if kube is not None else None
             await router.pool.poll()
-            poller = asyncio.create_task(router.pool.run(config.poll_s, stopped))
+            poller = asyncio.create_task(router.pool.run(config.poll_s, stopped, router.after_poll))
             try:
                 yield
             finally:
                 stopped.set()
                 await poller
+                if watcher is not None:
+                    watcher.cancel()
+                    await asyncio.gather(watcher, return_exceptions=True)
                 if router.pool.kube is not None:
                     await router.pool.kube.close()
 
@@ -228,6 +243,8 @@ def create_router_app(config: RouterConfig) -> Starlette:
         return JSONResponse(body, 200 if pods else 503)
 
     async def metrics(request: Request) -> Response:
+        router = state["router"]
+        router.metrics.pods_now(list(router.pool.pods))
         return Response(generate_latest(state["router"].metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def forward(request: Request) -> Response:

@@ -1,7 +1,7 @@
 """The router's view of one server pool: which pods are Ready, what each holds and how loaded it is.
 
-Pods come from a fixed list of URLs, or from the Kubernetes API (the pods matching a label selector in one
-namespace, listed each poll: Ready pods with an IP). Each poll (about every second) reads every pod's
+Pods come from a fixed list of URLs, or from the Kubernetes API (the Ready pods with an IP matching a label
+selector in one namespace, listed and then watched). Each poll (about every second) reads every pod's
 `/v1/adapters` (residency; the admin token when the servers have one) and `/metrics` (requests waiting and
 running) in parallel; a pod that does not answer drops out until it does. No operator is needed.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -51,13 +51,19 @@ def static_targets(pods: Iterable[str]) -> list[Target]:
 
 class KubePods:
     """The Ready pods matching `selector` in `namespace`, from the Kubernetes API (in-cluster config, else the
-    kubeconfig), as targets on `port`."""
+    kubeconfig), as targets on `port`: listed once, then kept current by a watch (`watch`), listed again after
+    the watch ends or fails (410 Gone included). `changed` is set on every change, so the pool reads a new pod,
+    and forgets a deleted one, at once rather than at its next poll."""
 
     def __init__(self, namespace: str, selector: str, port: int) -> None:
         self.namespace, self.selector, self.port = namespace, selector, port
         self._api: Any = None
+        self._pods: dict[str, Target] = {}
+        self.listed = False
+        self.lists = 0  # full lists so far (the first, then one per watch that ended)
+        self.changed = asyncio.Event()
 
-    async def targets(self) -> list[Target]:
+    async def _core(self) -> Any:
         from kubernetes_asyncio import client, config
 
         if self._api is None:
@@ -66,14 +72,76 @@ class KubePods:
             except config.ConfigException:
                 await config.load_kube_config()
             self._api = client.ApiClient()
-        pods = await client.CoreV1Api(self._api).list_namespaced_pod(self.namespace, label_selector=self.selector)
-        found = []
+        return client.CoreV1Api(self._api)
+
+    async def targets(self) -> list[Target]:
+        if not self.listed:
+            await self._list()
+        return sorted(self._pods.values(), key=lambda t: t.name)
+
+    async def _list(self) -> str:
+        core = await self._core()
+        pods = await core.list_namespaced_pod(self.namespace, label_selector=self.selector)
+        found = {}
         for pod in pods.items:
-            conditions = pod.status.conditions or []
-            ready = any(c.type == "Ready" and c.status == "True" for c in conditions)
-            if ready and pod.status.pod_ip and not pod.metadata.deletion_timestamp:
-                found.append(Target(pod.metadata.name, f"http://{pod.status.pod_ip}:{self.port}"))
-        return found
+            target = self._target(pod)
+            if target is not None:
+                found[target.name] = target
+        self._pods, self.listed = found, True
+        self.lists += 1
+        self.changed.set()
+        return str(pods.metadata.resource_version)
+
+    def _target(self, pod: Any) -> Target | None:
+        if pod.status is None or pod.metadata is None:
+            return None
+        conditions = pod.status.conditions or []
+        ready = any(c.type == "Ready" and c.status == "True" for c in conditions)
+        if ready and pod.status.pod_ip and not pod.metadata.deletion_timestamp:
+            return Target(pod.metadata.name, f"http://{pod.status.pod_ip}:{self.port}")
+        return None
+
+    def _apply(self, kind: str, pod: Any) -> None:
+        name = pod.metadata.name
+        target = None if kind == "DELETED" else self._target(pod)
+        before = self._pods.get(name)
+        if target is None:
+            self._pods.pop(name, None)
+        else:
+            self._pods[name] = target
+        if before != target:
+            self.changed.set()
+
+    async def watch(self, stopped: asyncio.Event, timeout_s: int = 240) -> None:
+        """List, then watch from that list's resource version until `stopped` (run it as a task and cancel it);
+        a watch that ends is followed by a new list, a failure by one after a backoff (1 s doubling to 30 s)."""
+        from kubernetes_asyncio import watch
+
+        backoff = 1.0
+        while not stopped.is_set():
+            try:
+                version = await self._list()
+                core = await self._core()
+                async with watch.Watch().stream(
+                    core.list_namespaced_pod,
+                    self.namespace,
+                    label_selector=self.selector,
+                    resource_version=version,
+                    timeout_seconds=timeout_s,
+                ) as events:
+                    async for event in events:
+                        if isinstance(event, dict) and event.get("type") in ("ADDED", "MODIFIED", "DELETED"):
+                            self._apply(str(event["type"]), event["object"])
+                backoff = 1.0
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the API server is away: keep the last view, try again
+                log.warning("router: watching the server pods failed (%s); again in %.0f s", exc, backoff)
+                try:
+                    await asyncio.wait_for(stopped.wait(), timeout=backoff)
+                except asyncio.TimeoutError:
+                    pass
+                backoff = min(backoff * 2, 30.0)
 
     async def close(self) -> None:
         if self._api is not None:
@@ -137,13 +205,20 @@ class Pool:
             log.info("router: pod %s left out this round: %s", target.name, exc)
             return None
 
-    async def run(self, interval_s: float, stopped: asyncio.Event) -> None:
+    async def run(self, interval_s: float, stopped: asyncio.Event, after: Callable[[], None] | None = None) -> None:
+        """Poll every `interval_s`, and at once when the Kubernetes watch reports a change; `after` each poll."""
+        changed = self.kube.changed if self.kube is not None else asyncio.Event()
         while not stopped.is_set():
+            changed.clear()
             await self.poll()
+            if after is not None:
+                after()
+            waits = [asyncio.ensure_future(stopped.wait()), asyncio.ensure_future(changed.wait())]
             try:
-                await asyncio.wait_for(stopped.wait(), timeout=interval_s)
-            except asyncio.TimeoutError:
-                pass
+                await asyncio.wait(waits, timeout=interval_s, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for task in waits:
+                    task.cancel()
 
     def acquire(self, name: str) -> None:
         pod = self.pods.get(name)
