@@ -146,6 +146,7 @@ def _no_picker_port(spec: dict[str, Any]) -> None:
         ("no-target-ports", _no_target_ports, "spec.targetPorts: Required value"),
         ("no-picker-port", _no_picker_port, "port is required when kind is 'Service'"),  # a CEL rule
     ],
+    ids=["bad-failure-mode", "no-target-ports", "no-picker-port"],
 )
 def test_api_server_refuses_an_invalid_pool(
     env: Env, name: str, spoil: Callable[[dict[str, Any]], None], message: str
