@@ -190,3 +190,15 @@ def test_a_spilled_adapter_narrows_back_with_no_request_for_it() -> None:
     assert router.spill.widths == {}
     text = generate_latest(router.metrics.registry).decode()
     assert "loraplane_router_spills_total 1.0" in text and "loraplane_router_adapter_home_width{" not in text
+
+
+def test_a_pod_loading_the_adapter_for_an_earlier_request_comes_before_a_cold_one() -> None:
+    view = pods()
+    first, second, third, _ = rank("french", NAMES)
+    by_name = {p.name: p for p in view}
+    by_name[first].queued = 10  # the home is over the bound: the request overflows
+    assert choose("french", view, width=1, epsilon=0.25)[0].name == second
+    by_name[third].pending["french"] = 0.0  # an earlier overflow went to the third: it is loading it
+    assert choose("french", view, width=1, epsilon=0.25)[0].name == third
+    by_name[second].residency = {"french": "disk"}  # resident beats loading
+    assert choose("french", view, width=1, epsilon=0.25)[0].name == second

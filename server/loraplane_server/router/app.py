@@ -158,6 +158,8 @@ class Router:
                 raise
             self.metrics.upstream.observe(time.monotonic() - started)
             self.metrics.routed(pod.name, adapter_id, tier_name(pod, adapter_id))
+            if adapter_id is not None and response.status_code < 400:
+                self.pool.sent(pod.name, adapter_id)
             if tried:
                 log.info("router: %s served after %d unreachable pods", pod.name, tried)
             done = _Done(response, functools.partial(self.pool.release, pod.name))

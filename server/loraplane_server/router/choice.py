@@ -1,8 +1,10 @@
 """Which pod serves a request: the adapter's rendezvous ranking, residency and a load bound (pure, no I/O).
 
 An adapter's home is the first `width` pods of its ranking (the pods the operator places it on). Among the pods
-under the load bound, a home pod that holds the adapter comes first (device, then host, then disk; the least
-loaded of equals), then any pod that holds it, then the home pods, then the rest in ranking order. The least
+under the load bound, a home pod that holds the adapter comes first (device, then host, then disk, then loading
+it for an earlier request; the least loaded of equals), then any pod that holds it, then the home pods, then
+the rest in ranking order (an adapter overflowing its home thus loads on one more pod, not on several while
+the residency it polls catches up). The least
 loaded pod is always under the bound (it is at most the mean), so some pod always takes the request. The order
 past the first pick is where a request goes if the first pod cannot be reached. `Spill` widens a hot adapter's
 home to the next pods in its ranking and narrows it back.
@@ -28,6 +30,11 @@ class PodView:
     residency: Mapping[str, str] = field(default_factory=dict)
     queued: int = 0  # waiting + running, as its /metrics said at the last poll
     in_flight: int = 0  # this router's requests on it now
+    pending: dict[str, float] = field(default_factory=dict)  # adapters sent here while not resident -> when
+
+    def holds(self, adapter_id: str) -> bool:
+        """Resident, or loading because this router sent it a request for the adapter since the last poll."""
+        return self.tier_of(adapter_id) < 3 or adapter_id in self.pending
 
     @property
     def load(self) -> int:
@@ -59,8 +66,8 @@ def choose(adapter_id: str | None, pods: Sequence[PodView], width: int, epsilon:
 
     def key(item: tuple[int, PodView]) -> tuple[bool, int, int, int, int]:
         position, pod = item
-        resident, is_home = pod.tier_of(adapter_id) < 3, pod.name in home
-        group = (0 if resident else 2) if is_home else (1 if resident else 3)
+        held, is_home = pod.holds(adapter_id), pod.name in home
+        group = (0 if held else 2) if is_home else (1 if held else 3)
         # within the home (wider than one pod when spilled) the least loaded first; elsewhere the ranking
         return (pod.load >= bound, group, pod.tier_of(adapter_id), pod.load if is_home else 0, position)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +23,7 @@ from loraplane_server.router.choice import PodView
 
 log = logging.getLogger("loraplane.router")
 
+PENDING_S = 30.0  # an adapter sent to a pod counts as loading there until its residency shows it, this long at most
 LOAD_METRICS = ("loraplane_queue_depth", "loraplane_requests_running")
 
 
@@ -182,7 +184,12 @@ class Pool:
         for view in views:
             if view is not None:
                 old = self.pods.get(view.name)
-                view.in_flight = old.in_flight if old is not None and old.url == view.url else 0
+                if old is not None and old.url == view.url:
+                    view.in_flight = old.in_flight
+                    now = time.monotonic()
+                    view.pending = {
+                        a: t for a, t in old.pending.items() if a not in view.residency and now - t < PENDING_S
+                    }
                 fresh[view.name] = view
         self.pods = fresh
         self.polls += 1
@@ -224,6 +231,12 @@ class Pool:
         pod = self.pods.get(name)
         if pod is not None:
             pod.in_flight += 1
+
+    def sent(self, name: str, adapter_id: str) -> None:
+        """A request for `adapter_id` went to pod `name`: unless resident, the pod is loading it now."""
+        pod = self.pods.get(name)
+        if pod is not None and pod.tier_of(adapter_id) == 3:
+            pod.pending[adapter_id] = time.monotonic()
 
     def release(self, name: str) -> None:
         pod = self.pods.get(name)
