@@ -46,29 +46,39 @@ def test_a_pod_over_the_load_bound_is_skipped() -> None:
     view = pods()
     first, second, *_ = rank("french", NAMES)
     by_name = {p.name: p for p in view}
-    by_name[first].queued = 10  # mean with this request (11 / 4) x 1.25 -> bound 4
-    assert load_bound(view, 0.25) == 4
+    by_name[first].others = 10  # mean with this request (11 / 4) x 1.25 -> bound 3.44
+    assert load_bound(view, 0.25) == pytest.approx(1.25 * 11 / 4)
     order = choose("french", view, width=1, epsilon=0.25)
     assert order[0].name == second and order[-1].name == first
 
 
-def test_the_least_loaded_pod_is_always_under_the_bound() -> None:
+def test_some_pod_always_takes_the_request_the_least_loaded_when_all_are_over() -> None:
     view = pods()
-    for loads in ([10, 11, 12, 13], [40, 39, 41, 40], [0, 0, 0, 50], [7, 7, 7, 7]):
+    for loads in ([10, 11, 12, 13], [40, 39, 41, 40], [0, 0, 0, 50], [7, 7, 7, 7], [2, 2, 2, 1]):
         for p, load in zip(view, loads, strict=True):
             p.in_flight = load
         bound = load_bound(view, 0.0)
-        assert min(loads) < bound
         order = choose("french", view, width=1, epsilon=0.0)
-        assert order[0].load < bound
-        over = [p.name for p in order if p.load >= bound]
-        assert [p.name for p in order][len(order) - len(over) :] == over  # those over the bound come last
-    assert load_bound(view, 0.0) == 8  # ceil(29 / 4)
+        under = [p for p in order if p.load + 1 <= bound]
+        assert order[: len(under)] == under  # those under the bound first
+        if not under:  # all over (equal loads): the least loaded first, the ranking among equals
+            assert [p.load for p in order] == sorted(loads)
+        assert order[0].load <= min(loads) + 1
+    assert load_bound(view, 0.0) == 2.0  # (7 + 1) / 4
+
+
+def test_with_three_pods_and_six_requests_no_pod_holds_more_than_two() -> None:
+    view = pods()[:3]
+    first, *_ = rank("hot", [p.name for p in view])
+    by_name = {p.name: p for p in view}
+    for _ in range(6):  # every request for one hot adapter; each stays in flight
+        by_name[choose("hot", view, width=1, epsilon=0.25)[0].name].in_flight += 1
+    assert sorted(p.load for p in view) == [2, 2, 2] and by_name[first].load == 2
 
 
 def test_base_model_requests_go_to_the_least_loaded() -> None:
     view = pods()
-    view[0].queued, view[1].queued, view[2].queued, view[3].queued = 3, 1, 2, 1
+    view[0].others, view[1].others, view[2].others, view[3].others = 3, 1, 2, 1
     assert [p.name for p in choose(None, view, 1, 0.25)] == ["pod-b", "pod-d", "pod-c", "pod-a"]
     assert choose("x", [], 1, 0.25) == []
 
@@ -78,15 +88,15 @@ def test_spill_widens_a_hot_adapter_and_narrows_it_back() -> None:
     spill = Spill(queue_threshold=4, step_s=2.0, settle_s=10.0)
     ranked = {p.name: p for p in view}
     first, second, third, _ = rank("hot", NAMES)
-    ranked[first].queued = 6
+    ranked[first].others = 6
     assert spill.observe("hot", view, now=0.0) == 2 and spill.spills == 1
     assert spill.observe("hot", view, now=1.0) == 2  # the second pod is not busy: no wider
-    ranked[second].queued = 5
+    ranked[second].others = 5
     assert spill.observe("hot", view, now=1.5) == 2  # busy, but one step per 2 s
     assert spill.observe("hot", view, now=2.0) == 3
     assert [p.name for p in choose("hot", view, spill.width("hot"), 10.0)][:3] == [third, second, first]
     for p in view:
-        p.queued = 1  # calm: under half the threshold
+        p.others = 1  # calm: under half the threshold
     assert spill.observe("hot", view, now=3.0) == 3
     assert spill.observe("hot", view, now=12.9) == 3
     assert spill.observe("hot", view, now=13.0) == 2  # 10 s calm: one step back
@@ -180,10 +190,10 @@ def test_a_spilled_adapter_narrows_back_with_no_request_for_it() -> None:
     router = Router(config, httpx.AsyncClient())
     router.pool.pods = {p.name: p for p in pods()}
     first, *_ = rank("hot", NAMES)
-    router.pool.pods[first].queued = 5
+    router.pool.pods[first].others = 5
     router.order("hot")
     assert router.spill.widths == {"hot": 2}
-    router.pool.pods[first].queued = 0
+    router.pool.pods[first].others = 0
     router.spill.settle_s = 0.0  # calm at once: the next poll narrows it
     router.after_poll()
     router.after_poll()
@@ -196,9 +206,68 @@ def test_a_pod_loading_the_adapter_for_an_earlier_request_comes_before_a_cold_on
     view = pods()
     first, second, third, _ = rank("french", NAMES)
     by_name = {p.name: p for p in view}
-    by_name[first].queued = 10  # the home is over the bound: the request overflows
+    by_name[first].others = 10  # the home is over the bound: the request overflows
     assert choose("french", view, width=1, epsilon=0.25)[0].name == second
     by_name[third].pending["french"] = 0.0  # an earlier overflow went to the third: it is loading it
     assert choose("french", view, width=1, epsilon=0.25)[0].name == third
-    by_name[second].residency = {"french": "disk"}  # resident beats loading
+    by_name[second].residency = {"french": "disk"}  # loading it (to memory) beats holding it on disk
+    assert choose("french", view, width=1, epsilon=0.25)[0].name == third
+    by_name[second].residency = {"french": "device"}  # on the device beats loading
     assert choose("french", view, width=1, epsilon=0.25)[0].name == second
+
+
+def test_at_a_low_load_the_home_pod_keeps_its_adapter() -> None:
+    view = pods()
+    first, second, *_ = rank("french", NAMES)
+    {p.name: p for p in view}[first].others = 1  # the request before, as the last poll saw it
+    assert load_bound(view, 0.25, floor=1) == 1  # the bare bound would send this one elsewhere
+    assert load_bound(view, 0.25) == 2
+    assert choose("french", view, width=1, epsilon=0.25)[0].name == first
+    assert choose("french", view, width=1, epsilon=0.25, floor=1)[0].name == second
+
+
+def test_the_floor_holds_only_while_the_pool_has_fewer_requests_than_pods() -> None:
+    view = pods()
+    for p, load in zip(view, [1, 1, 1, 0], strict=True):
+        p.others = load
+    assert load_bound(view, 0.25) == 2.0  # 4 with this one, 4 pods: the floor
+    view[3].others = 1
+    assert load_bound(view, 0.25) == pytest.approx(1.25 * 5 / 4)  # 5 on 4 pods: the bare bound
+
+
+def test_a_pod_sent_an_adapter_it_had_on_disk_counts_as_holding_it_in_memory() -> None:
+    view = pods(**{n.replace("-", "_"): {"french": "disk"} for n in NAMES})
+    first, second, third, _ = rank("french", NAMES)
+    by_name = {p.name: p for p in view}
+    by_name[first].others = 10
+    assert choose("french", view, width=1, epsilon=0.25)[0].name == second
+    by_name[third].pending["french"] = 0.0
+    assert choose("french", view, width=1, epsilon=0.25)[0].name == third
+
+
+def test_a_cold_adapter_stays_in_memory_within_the_slack_a_hot_one_spreads() -> None:
+    view = pods()[:3]
+    first, second, third = rank("cold", [p.name for p in view])
+    by_name = {p.name: p for p in view}
+    by_name[first].residency = {"cold": "host"}
+    by_name[first].others, by_name[second].others, by_name[third].others = 2, 2, 1
+    bound = load_bound(view, 0.25)  # 1.25 x 6 / 3 = 2.5: the home, at 3 with this one, is over
+    assert by_name[first].load + 1 > bound and by_name[first].load + 1 <= bound * 1.25
+    assert choose("cold", view, width=1, epsilon=0.25)[0].name == first  # within the slack: no copy elsewhere
+    by_name[third].residency = {"cold": "device"}  # held in memory on a pod under the bound too: it goes there
+    assert choose("cold", view, width=1, epsilon=0.25)[0].name == third
+    by_name[first].others = 4  # over even the slack (1.25 x 8 / 3 = 3.33, x 1.25): a copy, by the ranking
+    by_name[third].residency = {}
+    assert choose("cold", view, width=1, epsilon=0.25)[0].name == second
+
+
+def test_an_answer_in_full_tells_the_pool_the_pod_holds_the_adapter() -> None:
+    router = Router(RouterConfig(pods=("pod-a=http://pod-a:8080",)), httpx.AsyncClient())
+    router.pool.pods = {"pod-a": PodView("pod-a", "http://pod-a:8080", {"french": "disk"}, in_flight=2)}
+    router.pool.sent("pod-a", "french")
+    assert "french" in router.pool.pods["pod-a"].pending
+    router.pool.release("pod-a")  # a failed or cut-off answer says nothing about residency
+    assert router.pool.pods["pod-a"].tier_of("french") == 2 and router.pool.pods["pod-a"].in_flight == 1
+    router.pool.release("pod-a", served="french")
+    pod = router.pool.pods["pod-a"]
+    assert pod.tier_of("french") == 1 and not pod.pending and pod.in_flight == 0

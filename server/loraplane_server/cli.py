@@ -247,6 +247,9 @@ def _router_args(p: argparse.ArgumentParser) -> None:
         "--epsilon", type=float, default=0.25, help="load bound: a pod over (1 + epsilon) x the mean is skipped"
     )
     p.add_argument(
+        "--min-bound", type=int, default=2, help="a pod with fewer requests than this is never over the load bound"
+    )
+    p.add_argument(
         "--spill-queue", type=int, default=8, help="widen a hot adapter to its next pod at this many requests a pod"
     )
     p.add_argument("--poll-seconds", type=float, default=1.0, help="how often residency and load are read")
@@ -270,6 +273,7 @@ def cmd_router(a: argparse.Namespace) -> int:
             pod_port=a.pod_port,
             admin_token=os.environ.get("LORAPLANE_ADMIN_TOKEN") or None,
             epsilon=a.epsilon,
+            min_bound=a.min_bound,
             spill_queue=a.spill_queue,
             poll_s=a.poll_seconds,
         )

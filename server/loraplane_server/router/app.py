@@ -27,7 +27,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from loraplane_server.router.choice import TIER_ORDER, PodView, Spill, choose
+from loraplane_server.router.choice import MIN_BOUND, TIER_ORDER, PodView, Spill, choose
 from loraplane_server.router.metrics import RouterMetrics
 from loraplane_server.router.pool import KubePods, Pool, static_targets
 
@@ -53,6 +53,7 @@ class RouterConfig:
     pod_port: int = 8080
     admin_token: str | None = None  # the servers' admin token: /v1/adapters (residency) needs it
     epsilon: float = 0.25  # load bound: (1 + epsilon) x the mean
+    min_bound: int = MIN_BOUND  # ... but never under this many requests a pod
     spill_queue: int = 8  # widen an adapter's home when all its pods hold this many requests
     poll_s: float = 1.0
     max_tries: int = 3  # pods tried before the first byte
@@ -64,8 +65,8 @@ class RouterConfig:
             raise ValueError("give either --pod URLs or --selector (with --namespace)")
         if self.selector and not self.namespace:
             raise ValueError("--selector needs --namespace")
-        if self.epsilon < 0 or self.spill_queue < 1 or self.poll_s <= 0 or self.max_tries < 1:
-            raise ValueError("epsilon >= 0, spill_queue >= 1, poll_s > 0 and max_tries >= 1")
+        if self.epsilon < 0 or self.spill_queue < 1 or self.poll_s <= 0 or self.max_tries < 1 or self.min_bound < 1:
+            raise ValueError("epsilon >= 0, min_bound >= 1, spill_queue >= 1, poll_s > 0 and max_tries >= 1")
         if self.adapter_labels < 0:
             raise ValueError("adapter_labels >= 0")
 
@@ -102,7 +103,7 @@ class Router:
         width = 1
         if adapter_id is not None:
             width = self._observe(adapter_id, pods, time.monotonic())
-        return choose(adapter_id, pods, width, self.config.epsilon)
+        return choose(adapter_id, pods, width, self.config.epsilon, self.config.min_bound)
 
     def _observe(self, adapter_id: str, pods: list[PodView], now: float) -> int:
         before = self.spill.spills
@@ -162,7 +163,8 @@ class Router:
                 self.pool.sent(pod.name, adapter_id)
             if tried:
                 log.info("router: %s served after %d unreachable pods", pod.name, tried)
-            done = _Done(response, functools.partial(self.pool.release, pod.name))
+            served = adapter_id if response.status_code == 200 else None
+            done = _Done(response, functools.partial(self.pool.release, pod.name), served)
             reply_headers = {k: v for k, v in response.headers.items() if k.lower() not in _DROP_HEADERS}
             reply_headers[POD_HEADER] = pod.name
             return StreamingResponse(
@@ -185,15 +187,17 @@ def tier_name(pod: PodView, adapter_id: str | None) -> str:
 
 class _Done:
     """Closes the upstream response and releases the pod, once, whichever comes first: the end of the relay
-    (or its cancellation when the client hangs up) or the response's background task."""
+    (or its cancellation when the client hangs up) or the response's background task. An answer relayed in full
+    tells the pool the pod holds its adapter now."""
 
-    def __init__(self, response: httpx.Response, release: Callable[[], None]) -> None:
-        self.response, self.release, self.is_done = response, release, False
+    def __init__(self, response: httpx.Response, release: Callable[[str | None], None], adapter_id: str | None) -> None:
+        self.response, self.release, self.adapter_id = response, release, adapter_id
+        self.is_done = self.relayed = False
 
     async def __call__(self) -> None:
         if not self.is_done:
             self.is_done = True
-            self.release()
+            self.release(self.adapter_id if self.relayed else None)
             await self.response.aclose()
 
 
@@ -202,6 +206,7 @@ async def _relay(response: httpx.Response, done: _Done) -> AsyncIterator[bytes]:
     try:
         async for chunk in response.aiter_raw():
             yield chunk
+        done.relayed = True
     finally:
         await done()
 

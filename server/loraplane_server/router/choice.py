@@ -4,9 +4,10 @@ An adapter's home is the first `width` pods of its ranking (the pods the operato
 under the load bound, a home pod that holds the adapter comes first (device, then host, then disk, then loading
 it for an earlier request; the least loaded of equals), then any pod that holds it, then the home pods, then
 the rest in ranking order (an adapter overflowing its home thus loads on one more pod, not on several while
-the residency it polls catches up). The least
-loaded pod is always under the bound (it is at most the mean), so some pod always takes the request. The order
-past the first pick is where a request goes if the first pod cannot be reached. `Spill` widens a hot adapter's
+the residency it polls catches up). A pod is under the bound when one more request keeps it within
+(1 + epsilon) x the mean, a pod holding the adapter in memory (when all such are over it) within (1 + epsilon)
+x that; when no pod is, the least loaded come first, so some pod always takes the request.
+The order past the first pick is where a request goes if the first pod cannot be reached. `Spill` widens a hot adapter's
 home to the next pods in its ranking and narrows it back.
 """
 
@@ -30,15 +31,22 @@ class PodView:
     residency: Mapping[str, str] = field(default_factory=dict)
     queued: int = 0  # waiting + running, as its /metrics said at the last poll
     in_flight: int = 0  # this router's requests on it now
+    others: int = 0  # requests other routers (and direct clients) had on it at the last poll
     pending: dict[str, float] = field(default_factory=dict)  # adapters sent here while not resident -> when
 
     def holds(self, adapter_id: str) -> bool:
         """Resident, or loading because this router sent it a request for the adapter since the last poll."""
         return self.tier_of(adapter_id) < 3 or adapter_id in self.pending
 
+    def rank_of(self, adapter_id: str | None) -> int:
+        """tier_of, with an adapter this router sent here and not yet seen in memory counted as on the host."""
+        tier = self.tier_of(adapter_id)
+        return 1 if tier >= 2 and adapter_id in self.pending else tier
+
     @property
     def load(self) -> int:
-        return max(self.in_flight, self.queued)
+        """This router's requests now plus everyone else's at the last poll."""
+        return self.in_flight + self.others
 
     def tier_of(self, adapter_id: str | None) -> int:
         """0 device, 1 host, 2 disk, 3 not resident (the base model is on every pod: 0)."""
@@ -47,14 +55,24 @@ class PodView:
         return TIER_ORDER.get(self.residency.get(adapter_id, ""), 3)
 
 
-def load_bound(pods: Sequence[PodView], epsilon: float) -> int:
-    """The most requests a pod may hold and still take one more: ceil((1 + epsilon) x the mean load with this
-    request counted), as in consistent hashing with bounded loads."""
+MIN_BOUND = 2  # a pod holding fewer requests than this is never over the bound
+
+
+def load_bound(pods: Sequence[PodView], epsilon: float, floor: int = MIN_BOUND) -> float:
+    """The most requests a pod may hold with this one counted: (1 + epsilon) x the mean load with this request
+    counted, as in consistent hashing with bounded loads. Not rounded up: with a handful of requests on a few
+    pods the rounding alone would let a hot adapter's pod hold 1.5x the mean. While the pool holds no more
+    requests than it has pods, never under `floor`: at such a load (one request on 3 pods: a bound of 0.4)
+    affinity is worth more than spreading, as a pod batches a second request for little more than the cost of
+    one, and the load a poll read can be a second old."""
     total = sum(p.load for p in pods) + 1
-    return max(1, math.ceil((1 + epsilon) * total / max(len(pods), 1)))
+    bound = (1 + epsilon) * total / max(len(pods), 1)
+    return max(1.0, bound, float(floor) if total <= len(pods) else 0.0)
 
 
-def choose(adapter_id: str | None, pods: Sequence[PodView], width: int, epsilon: float) -> list[PodView]:
+def choose(
+    adapter_id: str | None, pods: Sequence[PodView], width: int, epsilon: float, floor: int = MIN_BOUND
+) -> list[PodView]:
     """Every pod, best first, for one request for `adapter_id` (None: the base model, least loaded first)."""
     if not pods:
         return []
@@ -62,14 +80,21 @@ def choose(adapter_id: str | None, pods: Sequence[PodView], width: int, epsilon:
         return sorted(pods, key=lambda p: (p.load, p.name))
     ranked = pods_by_rank(adapter_id, pods)
     home = {p.name for p in ranked[: max(width, 1)]}
-    bound = load_bound(pods, epsilon)
+    bound = load_bound(pods, epsilon, floor)
+    in_memory = {p.name for p in pods if p.rank_of(adapter_id) <= 1}
+    # sending the adapter where it is not in memory costs a load; when every pod holding it in memory is over
+    # the bound, those within (1 + epsilon) x the bound still take it (a hot adapter held on several pods
+    # spreads over them instead, and a cold one is not copied to a pod for the sake of one request)
+    slack = bound * (1 + epsilon) if all(p.load + 1 > bound for p in pods if p.name in in_memory) else bound
 
-    def key(item: tuple[int, PodView]) -> tuple[bool, int, int, int, int]:
+    def key(item: tuple[int, PodView]) -> tuple[bool, int, int, int, int, int]:
         position, pod = item
+        if pod.load + 1 > (slack if pod.name in in_memory else bound):  # over: after all under, least loaded first
+            return (True, pod.load, 0, 0, 0, position)
         held, is_home = pod.holds(adapter_id), pod.name in home
         group = (0 if held else 2) if is_home else (1 if held else 3)
         # within the home (wider than one pod when spilled) the least loaded first; elsewhere the ranking
-        return (pod.load >= bound, group, pod.tier_of(adapter_id), pod.load if is_home else 0, position)
+        return (False, 0, group, pod.rank_of(adapter_id), pod.load if is_home else 0, position)
 
     return [pod for _, pod in sorted(enumerate(ranked), key=key)]
 

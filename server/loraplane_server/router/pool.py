@@ -186,9 +186,10 @@ class Pool:
                 old = self.pods.get(view.name)
                 if old is not None and old.url == view.url:
                     view.in_flight = old.in_flight
+                    view.others = max(0, view.queued - old.in_flight)
                     now = time.monotonic()
                     view.pending = {
-                        a: t for a, t in old.pending.items() if a not in view.residency and now - t < PENDING_S
+                        a: t for a, t in old.pending.items() if view.tier_of(a) >= 2 and now - t < PENDING_S
                     }
                 fresh[view.name] = view
         self.pods = fresh
@@ -207,7 +208,8 @@ class Pool:
                 for r in rows.json().get("data", [])
                 if isinstance(r, dict) and r.get("state") not in ("failed", "loading")
             }
-            return PodView(target.name, target.url, residency, queued=_load(metrics.text))
+            queued = _load(metrics.text)
+            return PodView(target.name, target.url, residency, queued=queued, others=queued)
         except (httpx.HTTPError, ValueError, KeyError, AttributeError) as exc:
             log.info("router: pod %s left out this round: %s", target.name, exc)
             return None
@@ -233,15 +235,21 @@ class Pool:
             pod.in_flight += 1
 
     def sent(self, name: str, adapter_id: str) -> None:
-        """A request for `adapter_id` went to pod `name`: unless resident, the pod is loading it now."""
+        """A request for `adapter_id` went to pod `name`: unless in memory there, the pod is loading it now."""
         pod = self.pods.get(name)
-        if pod is not None and pod.tier_of(adapter_id) == 3:
+        if pod is not None and pod.tier_of(adapter_id) >= 2:  # on its disk or not there: it loads it now
             pod.pending[adapter_id] = time.monotonic()
 
-    def release(self, name: str) -> None:
+    def release(self, name: str, served: str | None = None) -> None:
+        """A request on pod `name` ended; `served`: it was answered in full for that adapter, so the pod has
+        loaded it (in memory there until the next poll says otherwise)."""
         pod = self.pods.get(name)
-        if pod is not None and pod.in_flight > 0:
-            pod.in_flight -= 1
+        if pod is None:
+            return
+        pod.in_flight = max(0, pod.in_flight - 1)
+        if served is not None and pod.tier_of(served) >= 2:
+            pod.residency = {**pod.residency, served: "host"}
+            pod.pending.pop(served, None)
 
 
 def _load(text: str) -> int:
