@@ -1,15 +1,29 @@
-"""Issue 20 on the local control plane: a BaseModelServer with spec.router runs `loraplane router` pods (found
-through the API server with their own least-privilege ServiceAccount); LoRAAdapters with prewarm.replicas: 1
-are placed on the pod their rendezvous ranking puts first, and requests through either router pod go to that
-same pod, so each adapter loads on one pod only; switching the router off deletes its objects."""
+"""Issue 20 on the local control plane: a BaseModelServer with 3 replicas and spec.router runs `loraplane router`
+pods (which find the server pods through a watch on the API server, with their own least-privilege
+ServiceAccount). 60 LoRAAdapters with prewarm.replicas: 1 are placed on the pod their rendezvous ranking puts
+first, and:
+
+- both router pods send each adapter to that same pod;
+- 600 requests with Zipf-distributed adapters through the routers land on a pod holding their adapter in
+  memory (device or host: >= 95%) with the busiest pod under 1.3x the mean and no 5xx; the same workload
+  spread at random over the pods, as a plain Service does, is recorded beside it (printed and written as JSON);
+- one adapter taking all the traffic spills to a second and a third pod and narrows back once it is calm;
+- a server pod deleted mid-run: later requests all succeed, the deleted pod's adapters are placed on the
+  survivors (their status says so);
+- switching the router off deletes its objects."""
 
 from __future__ import annotations
 
 import json
+import os
+import random
 import sys
+import threading
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections import Counter
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,13 +51,22 @@ pytestmark = pytest.mark.e2e
 
 NAMESPACE = "e2e-router"
 SERVER = "routed"
-REPLICAS = 2
-POD_START_S = 480.0
+REPLICAS = 3
+POD_START_S = 600.0
 ROUTER_LABEL = "loraplane.dev/router"
 SOURCES = ("french", "pirate", "json")
-NUM_ADAPTERS = 6  # ids over the three example adapters, chosen once the pods are known (see pick_adapters)
-ADAPTERS: list[str] = []
+NUM_ADAPTERS = 60
+REQUESTS = 600
+CONCURRENCY = 6
+ZIPF_S = 1.0
+EPSILON = 0.5  # spec.router.epsilon: hot adapters spread by spilling; the bound moves cold ones only this far
+SPILL_QUEUE = 2  # spec.router.spillQueue: a home pod with this many requests is busy (hot adapters spread)
+# the adapters' sources are local directories, which every pod counts as its disk tier: in memory is what the
+# placement and the routing have to get right here
+IN_MEMORY = ("device", "host")
 PROMPT = "Hello, my name is"
+FIGURES = Path(os.environ.get("LORAPLANE_E2E_FIGURES", "/tmp")) / "e2e-router-figures.json"
+ADAPTERS = [f"tenant-{i:02d}" for i in range(NUM_ADAPTERS)]
 
 
 @dataclass
@@ -51,13 +74,24 @@ class Env:
     kubectl: Kubectl
     cluster: LocalCluster
     operator: OperatorProcess
+    figures: dict[str, Any] = field(default_factory=dict)
 
     def server_pods(self) -> list[dict[str, Any]]:
         return ready_server_pods(self.kubectl, NAMESPACE, SERVER)
 
     def router_pods(self) -> list[dict[str, Any]]:
         pods = self.kubectl.json("get", "pods", "-n", NAMESPACE, "-l", f"{ROUTER_LABEL}={SERVER}")["items"]
-        return [p for p in pods if is_ready(p) and not p["metadata"].get("deletionTimestamp")]
+        return sorted(
+            (p for p in pods if is_ready(p) and not p["metadata"].get("deletionTimestamp")),
+            key=lambda p: p["metadata"]["name"],
+        )
+
+    def status(self, adapter: str) -> dict[str, Any]:
+        return self.kubectl.json("get", "lora", adapter, "-n", NAMESPACE).get("status") or {}
+
+    def statuses(self) -> dict[str, dict[str, Any]]:
+        items = self.kubectl.json("get", "lora", "-n", NAMESPACE)["items"]
+        return {i["metadata"]["name"]: i.get("status") or {} for i in items}
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +113,8 @@ def env(kubectl: Kubectl, cluster: LocalCluster, tmp_path_factory: pytest.TempPa
         server["spec"]["router"] = {
             "enabled": True,
             "replicas": 2,
+            "spillQueue": SPILL_QUEUE,
+            "epsilon": EPSILON,
             "command": [sys.executable, "-m", "loraplane_server.cli", "router"],
         }
         kubectl.apply(server, NAMESPACE)
@@ -90,40 +126,129 @@ def env(kubectl: Kubectl, cluster: LocalCluster, tmp_path_factory: pytest.TempPa
             )
         except TimeoutError as error:
             raise TimeoutError(f"{error}\n{diagnostics(kubectl, cluster, operator, NAMESPACE)}") from None
-        ADAPTERS[:] = pick_adapters([p["metadata"]["name"] for p in environment.server_pods()])
+        items = []
         for i, name in enumerate(ADAPTERS):
             manifest = adapter_manifest(name, SERVER, str(adapters_dir / SOURCES[i % len(SOURCES)]), tier="host")
             manifest["spec"]["prewarm"]["replicas"] = 1
-            kubectl.apply(manifest, NAMESPACE)
+            items.append({**manifest, "metadata": {"name": name, "namespace": NAMESPACE}})
+        kubectl.apply({"apiVersion": "v1", "kind": "List", "items": items}, NAMESPACE)
         yield environment
     finally:
         try:
+            if environment.figures:
+                FIGURES.write_text(json.dumps(environment.figures, indent=2) + "\n")
+                print(f"figures: {FIGURES}\n{json.dumps(environment.figures, indent=2)}")
             kubectl("delete", "lora", "--all", "-n", NAMESPACE, "--wait=false")
-            wait_until(lambda: not kubectl.json("get", "lora", "-n", NAMESPACE)["items"], timeout=60, what="no lora")
+            wait_until(lambda: not kubectl.json("get", "lora", "-n", NAMESPACE)["items"], timeout=90, what="no lora")
         finally:
             operator.stop()
             kubectl("delete", "namespace", NAMESPACE, "--wait=false")
 
 
-def pick_adapters(pods: list[str]) -> list[str]:
-    """NUM_ADAPTERS ids, half of them ranked first on each pod (pod names are random: a fixed set of ids could
-    rank one pod first for all of them, and the test would show nothing about the other)."""
-    per_pod: dict[str, list[str]] = {p: [] for p in pods}
-    for i in range(1000):
-        name = f"tenant-{i}"
-        first = per_pod[rank(name, pods)[0]]
-        if len(first) < NUM_ADAPTERS // len(pods):
-            first.append(name)
-    return sorted(a for names in per_pod.values() for a in names)
-
-
-def homes(env: Env) -> dict[str, str]:
-    names = [p["metadata"]["name"] for p in env.server_pods()]
+def homes(pods: list[dict[str, Any]]) -> dict[str, str]:
+    names = [p["metadata"]["name"] for p in pods]
     return {a: rank(a, names)[0] for a in ADAPTERS}
 
 
-def warm_on(pod: dict[str, Any]) -> set[str]:
-    return {a for a, row in adapter_rows(pod).items() if row.get("tier") in ("device", "host")}
+def held_on(pod: dict[str, Any], tiers: tuple[str, ...] = IN_MEMORY) -> set[str]:
+    return {a for a, row in adapter_rows(pod).items() if row.get("tier") in tiers and row.get("state") != "loading"}
+
+
+def router_metrics(router: dict[str, Any]) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """name -> labels -> value, from one router pod's /metrics."""
+    out = {}
+    for line in requests.get(f"{pod_url(router)}/metrics", timeout=5).text.splitlines():
+        if line.startswith("#") or not line.strip():
+            continue
+        head, value = line.rsplit(" ", 1)
+        name, _, labels = head.partition("{")
+        pairs = tuple(tuple(kv.split("=", 1)) for kv in labels.rstrip("}").split(",") if kv)
+        out[(name, tuple((k, v.strip('"')) for k, v in pairs))] = float(value)
+    return out
+
+
+def routed_by_tier(routers: list[dict[str, Any]]) -> Counter[str]:
+    tiers: Counter[str] = Counter()
+    for router in routers:
+        for (name, labels), value in router_metrics(router).items():
+            if name == "loraplane_router_requests_total":
+                tiers[dict(labels)["tier"]] += int(value)
+    return tiers
+
+
+def zipf_adapters(n: int, seed: int) -> list[str]:
+    weights = [1 / (i + 1) ** ZIPF_S for i in range(NUM_ADAPTERS)]
+    order = random.Random(seed).sample(ADAPTERS, NUM_ADAPTERS)  # which adapter is hottest: not the ranking's doing
+    return random.Random(seed + 1).choices(order, weights=weights, k=n)
+
+
+@dataclass
+class Outcome:
+    status: int  # 0: no answer (connection failed)
+    pod: str
+    started: float
+
+
+class Residency:
+    """Every pod's resident adapters, re-read every 0.3 s in a thread: what the pod a request is sent to held
+    then (for the random spread; the routers say what they saw in their metrics)."""
+
+    def __init__(self, pods: list[dict[str, Any]]) -> None:
+        self.pods = pods
+        self.held: dict[str, set[str]] = {p["metadata"]["name"]: held_on(p) for p in pods}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.3):
+            for pod in self.pods:
+                try:
+                    self.held[pod["metadata"]["name"]] = held_on(pod)
+                except requests.RequestException:
+                    pass
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def run_workload(
+    adapters: list[str], send: Callable[[str], tuple[int, str]], concurrency: int = CONCURRENCY
+) -> list[tuple[str, Outcome]]:
+    def one(adapter: str) -> tuple[str, Outcome]:
+        started = time.monotonic()
+        try:
+            status, pod = send(adapter)
+        except requests.RequestException:
+            status, pod = 0, ""
+        return adapter, Outcome(status, pod, started)
+
+    with ThreadPoolExecutor(concurrency) as pool:
+        return list(pool.map(one, adapters))
+
+
+def post(url: str, adapter: str, max_tokens: int = 1) -> requests.Response:
+    body: dict[str, Any] = {"model": adapter, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0}
+    with requests.Session() as session:
+        session.trust_env = False
+        return session.post(f"{url}/v1/completions", json=body, timeout=120)
+
+
+def figures_of(outcomes: list[tuple[str, Outcome]], elapsed_s: float, pods: list[str]) -> dict[str, Any]:
+    per_pod = Counter(o.pod for _, o in outcomes if o.status == 200)
+    counts = [per_pod.get(p, 0) for p in pods]
+    mean = sum(counts) / len(pods)
+    return {
+        "requests": len(outcomes),
+        "ok": sum(o.status == 200 for _, o in outcomes),
+        "5xx": sum(o.status >= 500 for _, o in outcomes),
+        "no_answer": sum(o.status == 0 for _, o in outcomes),
+        "per_pod": dict(zip(pods, counts, strict=True)),
+        "busiest_over_mean": round(max(counts) / mean, 3) if mean else None,
+        "seconds": round(elapsed_s, 1),
+        "requests_per_s": round(len(outcomes) / elapsed_s, 2),
+    }
 
 
 def test_a_router_pods_run_with_their_own_least_privilege_account(env: Env) -> None:
@@ -134,49 +259,195 @@ def test_a_router_pods_run_with_their_own_least_privilege_account(env: Env) -> N
     service = env.kubectl.json("get", "service", name, "-n", NAMESPACE)
     assert service["spec"]["selector"] == {"app.kubernetes.io/name": "loraplane-server", ROUTER_LABEL: SERVER}
     account = f"--as=system:serviceaccount:{NAMESPACE}:{name}"
-    assert env.kubectl("auth", "can-i", "list", "pods", "-n", NAMESPACE, account).strip() == "yes"
+    assert env.kubectl("auth", "can-i", "watch", "pods", "-n", NAMESPACE, account).strip() == "yes"
     with pytest.raises(KubectlError):  # "no" exits 1
         env.kubectl("auth", "can-i", "get", "secrets", "-n", NAMESPACE, account)
-    for pod in env.router_pods():  # each router found both server pods through the API server
+    for pod in env.router_pods():  # each router found the server pods through the API server
         ready = requests.get(f"{pod_url(pod)}/ready", timeout=5).json()
         assert sorted(ready["pods"]) == sorted(p["metadata"]["name"] for p in env.server_pods()), ready
 
 
 def test_b_placement_and_both_routers_agree_on_each_adapters_pod(env: Env) -> None:
-    home = homes(env)
-    assert len(ADAPTERS) == NUM_ADAPTERS and len(set(home.values())) == REPLICAS, home  # both pods are home
-    by_name = {p["metadata"]["name"]: p for p in env.server_pods()}
+    pods = env.server_pods()
+    home = homes(pods)
+    assert set(home.values()) == {p["metadata"]["name"] for p in pods}  # 60 adapters: every pod is home to some
 
     def placed() -> bool:
-        for name in ADAPTERS:
-            status = env.kubectl.json("get", "lora", name, "-n", NAMESPACE).get("status") or {}
+        for name, status in env.statuses().items():
             chosen = [e["pod"] for e in status.get("residency") or [] if e.get("tier") in ("device", "host")]
             if status.get("phase") != "Ready" or chosen != [home[name]]:
                 return False
         return True
 
-    wait_until(placed, timeout=120, what="each adapter prewarmed on its first-ranked pod only", interval=1)
-    for pod_name, pod in by_name.items():  # the pods say the same as the status
-        assert warm_on(pod) == {a for a in ADAPTERS if home[a] == pod_name}
-    texts: dict[str, set[str]] = {a: set() for a in ADAPTERS}
-    started = time.monotonic()
+    wait_until(placed, timeout=240, what="each adapter prewarmed on its first-ranked pod only", interval=2)
+    for pod in pods:  # the pods say the same as the status
+        name = pod["metadata"]["name"]
+        assert held_on(pod) == {a for a in ADAPTERS if home[a] == name}, name
+    sample = ADAPTERS[:: NUM_ADAPTERS // 6]
+    texts: dict[str, set[str]] = {a: set() for a in sample}
     for router in env.router_pods():
-        for name in ADAPTERS:
-            body = {"model": name, "prompt": PROMPT, "max_tokens": 6, "temperature": 0}
-            r = requests.post(f"{pod_url(router)}/v1/completions", json=body, timeout=120)
+        for name in sample:
+            r = post(pod_url(router), name, max_tokens=6)
             assert r.status_code == 200, r.text
+            assert r.headers["x-loraplane-pod"] == home[name]  # both routers: the adapter's home pod
             texts[name].add(r.json()["choices"][0]["text"])
-    print(f"{2 * len(ADAPTERS)} requests through the routers in {time.monotonic() - started:.1f}s")
     assert all(len(t) == 1 for t in texts.values()), texts  # greedy: both routers, the same answer
-    for pod_name, pod in by_name.items():  # no adapter was loaded on a second pod by the traffic
-        assert warm_on(pod) == {a for a in ADAPTERS if home[a] == pod_name}, pod_name
-    for router in env.router_pods():
-        metrics = requests.get(f"{pod_url(router)}/metrics", timeout=5).text
-        routed = [line for line in metrics.splitlines() if line.startswith("loraplane_router_requests_total{")]
-        assert routed and all('resident="yes"' in line for line in routed), routed
+    for pod in pods:  # no adapter was loaded on a second pod by the traffic
+        name = pod["metadata"]["name"]
+        assert held_on(pod) == {a for a in ADAPTERS if home[a] == name}, name
 
 
-def test_c_switching_the_router_off_deletes_it(env: Env) -> None:
+def test_c_zipf_traffic_through_the_routers_lands_where_the_adapters_are(env: Env) -> None:
+    pods, routers = env.server_pods(), env.router_pods()
+    names = sorted(p["metadata"]["name"] for p in pods)
+    before = routed_by_tier(routers)
+    adapters = zipf_adapters(REQUESTS, seed=20)
+    counter = iter(range(10**9))
+
+    def via_router(adapter: str) -> tuple[int, str]:  # alternate between the two router pods
+        response = post(pod_url(routers[next(counter) % len(routers)]), adapter)
+        return response.status_code, response.headers.get("x-loraplane-pod", "")
+
+    started = time.monotonic()
+    routed = run_workload(adapters, via_router)
+    elapsed = time.monotonic() - started
+    after = routed_by_tier(routers)
+    tiers = {t: after[t] - before[t] for t in ("device", "host", "disk", "none")}
+    in_memory_ratio = sum(tiers[t] for t in IN_MEMORY) / max(sum(tiers.values()), 1)
+    copies = {p["metadata"]["name"]: len(held_on(p)) for p in pods}
+    env.figures["router"] = {
+        **figures_of(routed, elapsed, names),
+        "in_memory_ratio": round(in_memory_ratio, 4),
+        "tiers_when_routed": tiers,
+        "adapter_copies_per_pod": copies,
+    }
+
+    pod_by_name = {p["metadata"]["name"]: p for p in pods}
+    rng = random.Random(7)
+
+    watch = Residency(pods)
+    held_when_sent: list[bool] = []
+
+    def via_service(adapter: str) -> tuple[int, str]:  # kube-proxy's spread: a random endpoint per connection
+        name = rng.choice(names)
+        held_when_sent.append(adapter in watch.held[name])
+        return post(pod_url(pod_by_name[name]), adapter).status_code, name
+
+    started = time.monotonic()
+    spread = run_workload(adapters, via_service)
+    elapsed = time.monotonic() - started
+    watch.stop()
+    env.figures["service"] = {
+        **figures_of(spread, elapsed, names),
+        "in_memory_ratio": round(sum(held_when_sent) / len(held_when_sent), 4),
+        "adapter_copies_per_pod": {p["metadata"]["name"]: len(held_on(p)) for p in pods},
+    }
+    figures = env.figures["router"]
+    print(json.dumps(env.figures, indent=2))
+    assert figures["5xx"] == 0 and figures["no_answer"] == 0 and figures["ok"] == REQUESTS, figures
+    assert in_memory_ratio >= 0.95, figures
+    assert figures["busiest_over_mean"] <= 1.3, figures
+    copies_routed = sum(figures["adapter_copies_per_pod"].values())
+    assert copies_routed < sum(env.figures["service"]["adapter_copies_per_pod"].values()), env.figures
+
+
+def test_d_a_hot_adapter_spills_to_more_pods_and_narrows_back(env: Env) -> None:
+    router = env.router_pods()[0]
+    hot = ADAPTERS[0]
+    width_key = ("loraplane_router_adapter_home_width", (("adapter", hot),))
+    widths: list[int] = []
+    stop = threading.Event()
+
+    def watch_width() -> None:
+        while not stop.wait(0.25):
+            try:
+                widths.append(int(router_metrics(router).get(width_key, 1)))
+            except requests.RequestException:
+                pass
+
+    watcher = threading.Thread(target=watch_width, daemon=True)
+    watcher.start()
+    deadline = time.monotonic() + 20
+    served: Counter[str] = Counter()
+    lock = threading.Lock()
+
+    def client() -> None:
+        while time.monotonic() < deadline:
+            response = post(pod_url(router), hot, max_tokens=8)
+            assert response.status_code == 200, response.text
+            with lock:
+                served[response.headers["x-loraplane-pod"]] += 1
+
+    with ThreadPoolExecutor(16) as pool:
+        for future in [pool.submit(client) for _ in range(16)]:
+            future.result()
+    widest = max(widths)
+    wait_until(
+        lambda: widths[-1] == 1, timeout=60, what=f"{hot}'s home narrowed back to one pod (widths {widths[-8:]})"
+    )
+    stop.set()
+    watcher.join()
+    env.figures["spill"] = {"served_per_pod": dict(served), "widest": widest}
+    assert widest == REPLICAS, widths  # widened to a second and then a third pod
+    assert len(served) == REPLICAS, served  # and all three served it
+    peak = widths.index(widest)
+    assert 2 in widths[peak:], widths  # narrowed one pod at a time
+    spills = router_metrics(router)[("loraplane_router_spills_total", ())]
+    assert spills >= REPLICAS - 1
+
+
+def test_e_a_pod_deleted_mid_run(env: Env) -> None:
+    pods, routers = env.server_pods(), env.router_pods()
+    home = homes(pods)
+    victim = Counter(home[a] for a in zipf_adapters(200, seed=5)).most_common(1)[0][0]  # the busiest home
+    survivors = sorted(p["metadata"]["name"] for p in pods if p["metadata"]["name"] != victim)
+    orphans = sorted(a for a in ADAPTERS if home[a] == victim)
+    counter = iter(range(10**9))
+
+    def via_router(adapter: str) -> tuple[int, str]:
+        response = post(pod_url(routers[next(counter) % len(routers)]), adapter)
+        return response.status_code, response.headers.get("x-loraplane-pod", "")
+
+    deleted_at: list[float] = []
+
+    def delete_later() -> None:
+        time.sleep(4)
+        deleted_at.append(time.monotonic())
+        env.kubectl("delete", "pod", victim, "-n", NAMESPACE, "--wait=false")
+
+    deleter = threading.Thread(target=delete_later)
+    deleter.start()
+    outcomes = run_workload(zipf_adapters(360, seed=21), via_router)
+    deleter.join()
+    failed = [(a, o) for a, o in outcomes if o.status != 200]
+    late = [(a, o) for a, o in outcomes if o.started > deleted_at[0] + 3]
+    env.figures["pod_deleted"] = {
+        "requests": len(outcomes),
+        "failed": len(failed),
+        "after_deletion": len(late),
+        "served_by_victim_after": sum(o.pod == victim for _, o in late),
+    }
+    assert len(failed) <= CONCURRENCY, failed  # at most those in flight on the deleted pod
+    assert late and all(o.status == 200 and o.pod != victim for _, o in late), env.figures["pod_deleted"]
+
+    def replaced() -> bool:  # the victim's adapters on their new home among the pods Ready now
+        ready = [p["metadata"]["name"] for p in env.server_pods()]
+        if victim in ready:
+            return False
+        statuses = env.statuses()
+        for adapter in orphans:
+            status = statuses[adapter]
+            pods_now = {e["pod"] for e in status.get("residency") or [] if e.get("tier") in ("device", "host")}
+            if rank(adapter, ready)[0] not in pods_now or victim in pods_now or status.get("phase") != "Ready":
+                return False
+        return True
+
+    wait_until(replaced, timeout=180, what=f"{victim}'s {len(orphans)} adapters placed on the pods left", interval=2)
+    wait_until(lambda: len(env.server_pods()) == REPLICAS, timeout=POD_START_S, what="the replacement pod Ready")
+    assert set(survivors) <= {p["metadata"]["name"] for p in env.server_pods()}
+
+
+def test_f_switching_the_router_off_deletes_it(env: Env) -> None:
     patch = json.dumps({"spec": {"router": {"enabled": False}}})
     env.kubectl("patch", "bms", SERVER, "-n", NAMESPACE, "--type=merge", "-p", patch)
 

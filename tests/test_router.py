@@ -271,3 +271,15 @@ def test_an_answer_in_full_tells_the_pool_the_pod_holds_the_adapter() -> None:
     router.pool.release("pod-a", served="french")
     pod = router.pool.pods["pod-a"]
     assert pod.tier_of("french") == 1 and not pod.pending and pod.in_flight == 0
+
+
+def test_a_spilled_adapter_goes_to_its_least_loaded_home_pod_holding_it_or_not() -> None:
+    view = pods()
+    first, second, third, fourth = rank("hot", NAMES)
+    by_name = {p.name: p for p in view}
+    by_name[first].residency = {"hot": "device"}
+    by_name[first].others, by_name[second].others, by_name[third].others = 4, 1, 0
+    # (epsilon 3: the load bound out of the way) 4 requests; 1 + MISS_COST; 0 + MISS_COST
+    assert [p.name for p in choose("hot", view, width=3, epsilon=3.0)][:3] == [third, second, first]
+    by_name[first].others = 2  # 2 in memory against 0 + MISS_COST: a tie, the pod holding it first
+    assert [p.name for p in choose("hot", view, width=3, epsilon=3.0)][:3] == [first, third, second]

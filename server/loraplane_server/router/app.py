@@ -1,11 +1,12 @@
 """`loraplane router`: a stateless HTTP front for one server pool, passing each request through to one pod.
 
 The adapter comes from the body (OpenAI `model`, LoRAX `parameters.adapter_id`); `choice.choose` orders the
-pods for it. A pod that cannot be reached before any byte of its answer is left for the next one in that
-order; once the answer has started it streams through as it comes (SSE included), and a client that hangs up
-closes the upstream request, so the pod aborts it. Every routed answer names its pod (`x-loraplane-pod`).
-Adapter admin is per pod and not routed (404 with a hint). The router's own /health, /ready (some pod Ready)
-and /metrics (router/metrics.py; the pods' own metrics are scraped from the pods).
+pods for it. A pod that cannot be reached before any byte of its answer, or that refuses the request at the
+door (429 queue full, 503 loading or draining), is left for the next one in that order; once the answer has
+started it streams through as it comes (SSE included), and a client that hangs up closes the upstream
+request, so the pod aborts it. Every routed answer names its pod (`x-loraplane-pod`). Adapter admin is per pod
+and not routed (404 with a hint). The router's own /health, /ready (some pod Ready) and /metrics
+(router/metrics.py; the pods' own metrics are scraped from the pods).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from loraplane_server.router.pool import KubePods, Pool, static_targets
 
 log = logging.getLogger("loraplane.router")
 
+REFUSED_AT_THE_DOOR = (429, 503)  # a server pod's answers to a request it did not start (see http/lifecycle.py)
 POD_HEADER = "x-loraplane-pod"  # on every routed answer: the pod that served it
 GENERATION_ROUTES = ("/generate", "/generate_stream", "/", "/v1/completions", "/v1/chat/completions")
 ADMIN_PREFIXES = ("/v1/adapters", "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/debug")
@@ -141,7 +143,8 @@ class Router:
             self.metrics.failures.labels("no_ready_pod").inc()
             return _error(503, "no Ready server pod", headers={"Retry-After": "1"})
         headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _DROP_HEADERS]
-        for tried, pod in enumerate(order[: self.config.max_tries]):
+        candidates = order[: self.config.max_tries]
+        for tried, pod in enumerate(candidates):
             upstream = self.http.build_request(
                 request.method, pod.url + path, params=request.query_params, headers=headers, content=body
             )
@@ -158,11 +161,19 @@ class Router:
                 self.pool.release(pod.name)
                 raise
             self.metrics.upstream.observe(time.monotonic() - started)
+            if response.status_code in REFUSED_AT_THE_DOOR and tried + 1 < len(candidates):
+                # refused before any work (loading, draining, queue full): nothing was generated, the next pod
+                # may take it
+                await response.aclose()
+                self.pool.release(pod.name)
+                self.metrics.retries.inc()
+                log.info("router: %s answered %d; trying the next pod", pod.name, response.status_code)
+                continue
             self.metrics.routed(pod.name, adapter_id, tier_name(pod, adapter_id))
             if adapter_id is not None and response.status_code < 400:
                 self.pool.sent(pod.name, adapter_id)
             if tried:
-                log.info("router: %s served after %d unreachable pods", pod.name, tried)
+                log.info("router: %s served after %d pods unreachable or refusing", pod.name, tried)
             served = adapter_id if response.status_code == 200 else None
             done = _Done(response, functools.partial(self.pool.release, pod.name), served)
             reply_headers = {k: v for k, v in response.headers.items() if k.lower() not in _DROP_HEADERS}

@@ -1,14 +1,17 @@
 """Which pod serves a request: the adapter's rendezvous ranking, residency and a load bound (pure, no I/O).
 
 An adapter's home is the first `width` pods of its ranking (the pods the operator places it on). Among the pods
-under the load bound, a home pod that holds the adapter comes first (device, then host, then disk, then loading
-it for an earlier request; the least loaded of equals), then any pod that holds it, then the home pods, then
-the rest in ranking order (an adapter overflowing its home thus loads on one more pod, not on several while
-the residency it polls catches up). A pod is under the bound when one more request keeps it within
-(1 + epsilon) x the mean, a pod holding the adapter in memory (when all such are over it) within (1 + epsilon)
-x that; when no pod is, the least loaded come first, so some pod always takes the request.
-The order past the first pick is where a request goes if the first pod cannot be reached. `Spill` widens a hot adapter's
-home to the next pods in its ranking and narrows it back.
+under the load bound, a home pod that holds the adapter comes first (device, then host, then disk; a pod this
+router just sent it to counts as host), then any pod that holds it, then the home pods, then the rest in
+ranking order (an adapter overflowing its home thus loads on one more pod, not on several while the residency
+it polls catches up). A spilled adapter's home pods take it least loaded first, holding it or not (that is
+what widening it is for), a pod that would have to load it counted `MISS_COST` requests busier.
+
+A pod is under the bound when one more request keeps it within (1 + epsilon) x the mean; a pod holding the
+adapter in memory, when all such pods are over that, within (1 + epsilon) x the bound. When no pod is under,
+the least loaded come first, so some pod always takes the request. The order past the first pick is where a
+request goes if the first pod cannot be reached. `Spill` widens a hot adapter's home to the next pods in its
+ranking and narrows it back.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ class PodView:
         return TIER_ORDER.get(self.residency.get(adapter_id, ""), 3)
 
 
+MISS_COST = 2  # a spilled adapter's home pod without it in memory counts as this many requests busier (the load)
 MIN_BOUND = 2  # a pod holding fewer requests than this is never over the bound
 
 
@@ -87,14 +91,19 @@ def choose(
     # spreads over them instead, and a cold one is not copied to a pod for the sake of one request)
     slack = bound * (1 + epsilon) if all(p.load + 1 > bound for p in pods if p.name in in_memory) else bound
 
-    def key(item: tuple[int, PodView]) -> tuple[bool, int, int, int, int, int]:
+    spilled = width > 1
+
+    def key(item: tuple[int, PodView]) -> tuple[bool, int, int, int, int, int, int]:
         position, pod = item
         if pod.load + 1 > (slack if pod.name in in_memory else bound):  # over: after all under, least loaded first
-            return (True, pod.load, 0, 0, 0, position)
+            return (True, pod.load, 0, 0, 0, 0, position)
         held, is_home = pod.holds(adapter_id), pod.name in home
-        group = (0 if held else 2) if is_home else (1 if held else 3)
-        # within the home (wider than one pod when spilled) the least loaded first; elsewhere the ranking
-        return (False, 0, group, pod.rank_of(adapter_id), pod.load if is_home else 0, position)
+        group = (0 if held or spilled else 2) if is_home else (1 if held else 3)
+        # a spilled adapter's home pods (all of them, holding it or not) the least loaded first, a pod without it
+        # in memory counted MISS_COST requests busier; otherwise the pods holding it in memory first, then the
+        # ranking
+        spread = pod.load + (MISS_COST if pod.rank_of(adapter_id) > 1 else 0) if spilled and is_home else 0
+        return (False, 0, group, spread, pod.rank_of(adapter_id), pod.load if is_home else 0, position)
 
     return [pod for _, pod in sorted(enumerate(ranked), key=key)]
 
