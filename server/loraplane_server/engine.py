@@ -16,7 +16,6 @@ import torch
 
 from loraplane_server import cpu_features
 from loraplane_server.block_manager import BlockManager
-from loraplane_server.builtin import cache_root
 from loraplane_server.config import EngineConfig
 from loraplane_server.detokenizer import IncrementalText
 from loraplane_server.layers import cpu_kernels, triton_attention
@@ -33,6 +32,7 @@ from loraplane_server.sampler import make_generator
 from loraplane_server.sampling_params import SamplingParams
 from loraplane_server.scheduler import Scheduler
 from loraplane_server.sequence import FinishReason, Sequence
+from loraplane_server.user_cache import cache_root
 
 
 @dataclass

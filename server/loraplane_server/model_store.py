@@ -33,8 +33,8 @@ from urllib.parse import quote
 
 from filelock import FileLock, Timeout
 
-from loraplane_server.builtin import BUILTIN_MODELS, cache_root, convert_gguf, find_gguf
 from loraplane_server.config import EngineConfig
+from loraplane_server.gguf_models import BUILTIN_MODELS, convert_gguf, find_gguf
 from loraplane_server.sources import (
     MODEL_FILESET,
     ModelSourceError,
@@ -50,6 +50,7 @@ from loraplane_server.sources import (
     s3_client,
     s3_reason,
 )
+from loraplane_server.user_cache import cache_root
 
 log = logging.getLogger("loraplane.model")
 

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from loraplane_server import cpu_features
-from loraplane_server.builtin import cache_root
+from loraplane_server.user_cache import cache_root
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ import torch
 
 from loraplane_server.lora.disk_cache import DiskCache
 from loraplane_server.lora.weights import AdapterError, LoRAWeights, load_lora, read_adapter_config
-from loraplane_server.models.llama import ModelArgs
+from loraplane_server.models.args import ModelArgs
 from loraplane_server.sources import AdapterSource, AdapterSourceError, fetch, parse_source
 
 TIERS = ("device", "host", "disk", "source")

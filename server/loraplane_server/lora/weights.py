@@ -31,8 +31,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from loraplane_server.models.gemma3 import VISION_MODULES
-from loraplane_server.models.llama import FUSED_PROJECTIONS, TARGET_MODULES, ModelArgs
+from loraplane_server.models.args import FUSED_PROJECTIONS, TARGET_MODULES, VISION_MODULES, ModelArgs
 
 log = logging.getLogger("loraplane.adapters")
 

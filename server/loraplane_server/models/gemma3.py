@@ -16,11 +16,10 @@ import torch
 from loraplane_server.forward_batch import ForwardBatch
 from loraplane_server.layers.norm import OffsetRMSNorm, RMSNorm
 from loraplane_server.layers.rotary import RotaryEmbedding
-from loraplane_server.models.llama import DecoderLayer, LlamaForCausalLM, ModelArgs
+from loraplane_server.models.args import ModelArgs
+from loraplane_server.models.llama import DecoderLayer, LlamaForCausalLM
 
 SLIDING = "sliding_attention"
-# a multimodal checkpoint's parts that text serving never runs (under "model." in transformers 5's naming)
-VISION_MODULES = ("vision_tower.", "multi_modal_projector.")
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,8 @@ from safetensors import safe_open
 
 from loraplane_server.layers.linear import ProjectionLinear
 from loraplane_server.models import registry
-from loraplane_server.models.gemma3 import VISION_MODULES
-from loraplane_server.models.llama import FUSED_PROJECTIONS, LlamaForCausalLM
+from loraplane_server.models.args import FUSED_PROJECTIONS, VISION_MODULES
+from loraplane_server.models.llama import LlamaForCausalLM
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+_proj)\.(weight|bias)$")
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")

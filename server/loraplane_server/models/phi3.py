@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from loraplane_server.models.llama import ModelArgs
+from loraplane_server.models.args import ModelArgs
 
 
 def phi3_args(cfg: dict) -> ModelArgs:

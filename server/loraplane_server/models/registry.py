@@ -13,8 +13,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from loraplane_server.layers.rotary import rope_kind
+from loraplane_server.models.args import ModelArgs
 from loraplane_server.models.gemma3 import Gemma3ForCausalLM, gemma3_args, gemma3_language_model
-from loraplane_server.models.llama import LlamaForCausalLM, ModelArgs
+from loraplane_server.models.llama import LlamaForCausalLM
 from loraplane_server.models.phi3 import phi3_args
 from loraplane_server.models.qwen3 import Qwen3ForCausalLM
 
