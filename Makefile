@@ -28,6 +28,7 @@ run: model
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check server operator tests bench e2e
+	$(BIN)/mypy server/loraplane_server operator/loraplane_operator
 
 # The e2e tests build the control plane once (cached outside the repo, ~25 min on 2 cores), and the
 # model-source tests a MinIO server (e2e/build_minio.sh, a few minutes, cached beside it).

@@ -102,14 +102,14 @@ class LLMEngine:
         self.attention_backend = _attention_backend(config.attention_backend, self.device)
         self.layer_backend = _layer_backend(config.layer_backend, self.device, self.dtype)
         packed = self.layer_backend == "cpu_kernel" and not use_triton  # the CPU LoRA kernel's layout
-        lora_slots = LoRASlots(model, config.max_loras, config.max_lora_rank, self.dtype, self.device, packed)
+        self.lora_slots = LoRASlots(model, config.max_loras, config.max_lora_rank, self.dtype, self.device, packed)
         self.runner = ModelRunner(
             model,
             num_blocks,
             config.block_size,
             self.dtype,
             self.device,
-            lora_slots,
+            self.lora_slots,
             use_triton,
             decode_attention=self.attention_backend,
             layer_kernels=self.layer_backend == "cpu_kernel",
@@ -281,7 +281,7 @@ class LLMEngine:
             if self.adapters.is_ready(adapter_id) and self.slots.can_acquire(adapter_id):
                 slot, needs_load = self.slots.acquire(adapter_id, ref=False)
                 if needs_load:
-                    self.runner.lora_slots.load(slot, self.adapters.weights(adapter_id))
+                    self.lora_slots.load(slot, self.adapters.weights(adapter_id))
                 self._device_prewarm.discard(adapter_id)
         self._advance_tier_goals()
         return outputs
@@ -291,12 +291,12 @@ class LLMEngine:
         stats = self.adapters.stats
         for slot, adapter_id in slot_loads:
             stats.misses["device"] += 1
-            stats.evictions["device"] += self.runner.lora_slots.adapter_in[slot] is not None
+            stats.evictions["device"] += self.lora_slots.adapter_in[slot] is not None
             stats.loads["device"] += 1
             try:
-                self.runner.lora_slots.load(slot, self.adapters.weights(adapter_id))
+                self.lora_slots.load(slot, self.adapters.weights(adapter_id))
             except (AdapterError, OSError, ValueError) as exc:
-                self.runner.lora_slots.clear(slot)
+                self.lora_slots.clear(slot)
                 for seq in [s for s in self.scheduler.running if s.adapter_id == adapter_id]:
                     outputs.append(self._fail(seq, f"adapter {adapter_id!r} failed to load: {exc}"))
                 self.slots.evict(adapter_id)
@@ -341,7 +341,7 @@ class LLMEngine:
         slot = self.slots.lookup(adapter_id)
         if slot is not None:
             self.slots.evict(adapter_id)
-            self.runner.lora_slots.clear(slot)
+            self.lora_slots.clear(slot)
         self.slots.unpin(adapter_id)  # also when it never reached a slot: a stale pin would count against the limit
         self._device_prewarm.discard(adapter_id)
         self._tier_goals.pop(adapter_id, None)
@@ -389,7 +389,7 @@ class LLMEngine:
         if slot is not None:
             if not self.slots.evict(adapter_id):
                 return False  # running requests use the slot: freed on a later step, after they finish
-            self.runner.lora_slots.clear(slot)
+            self.lora_slots.clear(slot)
             self.adapters.stats.evictions["device"] += 1
         return self.adapters.settle(adapter_id, tier)
 
@@ -431,7 +431,8 @@ class LLMEngine:
     ) -> list[RequestOutput]:
         """Run prompts to completion (alongside anything already queued); outputs in prompt order."""
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist, strict=True)]
+        prompt_list: list[str | list[int]] = list(prompts)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompt_list, plist, strict=True)]
         done: dict[str, RequestOutput] = {}
         while len(done) < len(ids):
             for out in self.step():

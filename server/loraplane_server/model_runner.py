@@ -85,7 +85,7 @@ class ModelRunner:
             decode_attention=self.decode_attention,
             layer_kernels=self.layer_kernels,
         )
-        if lens is not None and tables is not None and self.decode_attention == "torch":
+        if batch.decode_context_lens is not None and tables is not None and self.decode_attention == "torch":
             span = torch.arange(tables.shape[1] * bs, device=self.device)
             batch.decode_mask = (span < batch.decode_context_lens.unsqueeze(1))[:, None, None, :]
         batch.lora = self._lora_batch(decodes, prefills, chunks, len(ids))

@@ -54,6 +54,9 @@ def rope_attention_scaling(scaling: dict | None, max_position_embeddings: int) -
 
 
 class RotaryEmbedding(nn.Module):
+    cos: torch.Tensor  # [P, Dr] float32 buffers
+    sin: torch.Tensor
+
     def __init__(
         self,
         head_dim: int,

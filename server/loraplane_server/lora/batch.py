@@ -93,13 +93,13 @@ class LoRABatch:
     def layer_args(self, layer_idx: int) -> list[torch.Tensor | None]:
         """cpu_kernels.decoder_layer's lora list for layer `layer_idx` (packed slots): bgmv_packed_'s
         (packed, proj, out_bounds) for each kind some adapter of the step targets, None for the others."""
-        if self.row_slots is None:
+        packed = self.slots.packed
+        if self.row_slots is None or packed is None:
             raise RuntimeError("the fused decoder layer needs packed LoRA slots")
         args: list[torch.Tensor | None] = []
         for kind in self.KERNEL_KINDS:
             if kind in self.kinds:
-                packed = self.slots.packed[kind][layer_idx]
-                args += [packed, self.slots.packed_rows[kind][layer_idx], self.slots.out_bounds[kind]]
+                args += [packed[kind][layer_idx], self.slots.packed_rows[kind][layer_idx], self.slots.out_bounds[kind]]
             else:
                 args += [None, None, None]
         return args
@@ -111,6 +111,7 @@ class LoRABatch:
         if self.row_slots is not None:  # the CPU kernel: each slot's weights in one contiguous run per layer
             if x.dtype != torch.bfloat16 or x.shape[0] != self.row_slots.shape[0]:
                 raise RuntimeError("packed LoRA slots need the CPU kernel: bf16 rows, one slot per row")
+            assert self.slots.packed is not None  # row_slots is set for packed slots alone
             packed = self.slots.packed[layer.kind][layer.layer_idx]  # [S+1, C]
             proj = self.slots.packed_rows[layer.kind][layer.layer_idx]  # [S+1, P, 2]
             bounds = self.slots.out_bounds[layer.kind]
@@ -131,9 +132,9 @@ class LoRABatch:
             h = torch.bmm(a[:, :w][self.decode_slots], x[:nd].unsqueeze(-1))  # [Bd, w, 1]
             out[:nd] += torch.bmm(h.transpose(1, 2), bt[:, :w][self.decode_slots]).squeeze(1)  # [Bd, out]
         for start, end, slot in self.segments:
-            w = self.slots.widths[slot].get(layer.kind)
-            if w:
-                out[start:end] += (x[start:end] @ a[slot, :w].T) @ bt[slot, :w]
+            width = self.slots.widths[slot].get(layer.kind)
+            if width:
+                out[start:end] += (x[start:end] @ a[slot, :width].T) @ bt[slot, :width]
         return out
 
     def _decode_grouped(self, kind: str, a: torch.Tensor, bt: torch.Tensor, x: torch.Tensor, out: torch.Tensor) -> None:

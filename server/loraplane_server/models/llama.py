@@ -6,8 +6,9 @@ Every projection an adapter may target (q, k, v, o, gate, up, down) is a Project
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
@@ -152,7 +153,7 @@ class DecoderLayer(nn.Module):
         """forward() for a layer before the last, as one call to the CPU kernels (bf16): the same kernels
         in the same order, the same bits (tests/test_cpu_decoder_layer.py)."""
         attn, mlp = self.self_attn, self.mlp
-        weights = [
+        weights: list[torch.Tensor | None] = [
             attn.qkv.weight,
             attn.qkv.bias,
             attn.o.weight,
@@ -163,7 +164,7 @@ class DecoderLayer(nn.Module):
             mlp.down.bias,
             next_norm.weight,
         ]
-        lora = f.lora.layer_args(attn.layer_idx) if f.lora is not None else [None] * 12
+        lora: list[torch.Tensor | None] = f.lora.layer_args(attn.layer_idx) if f.lora is not None else [None] * 12
         return cpu_kernels.decoder_layer(
             x,
             h,
@@ -205,16 +206,17 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed(input_ids)  # [T, hidden]: the residual stream (a fresh tensor, updated in place)
         kernels = batch.layer_kernels and x.dtype == torch.bfloat16
         cos_sins = self.cos_sins(batch.positions, x.dtype, kernels)
-        h = self.layers[0].input_layernorm.add_forward(x, None, kernels)
-        last = len(self.layers) - 1
+        layers = self.decoder_layers
+        h = layers[0].input_layernorm.add_forward(x, None, kernels)
+        last = len(layers) - 1
         rows = batch.logits_rows_batch() if batch.prunes_last_layer else None
         can_fuse = kernels and self.fuse_layers and self.args.is_llama_shaped
         fused = self._fused_step(batch, cos_sins[0]) if can_fuse else None
-        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+        for i, (layer, kv_cache) in enumerate(zip(layers, kv_caches, strict=True)):
             if i < last and fused is not None:
-                h = layer.fused(x, h, kv_cache, batch, self.layers[i + 1].input_layernorm, fused)
+                h = layer.fused(x, h, kv_cache, batch, layers[i + 1].input_layernorm, fused)
             elif i < last:
-                h = layer(x, h, cos_sins[i], kv_cache, batch, self.layers[i + 1].input_layernorm)
+                h = layer(x, h, cos_sins[i], kv_cache, batch, layers[i + 1].input_layernorm)
             else:
                 h = layer(x, h, cos_sins[i], kv_cache, batch, None, rows)
         if batch.logits_indices is not None and rows is None:
@@ -222,6 +224,11 @@ class LlamaForCausalLM(nn.Module):
         h = self.norm.add_forward(h.contiguous(), None, kernels)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return base_linear(h, weight, None, batch.layer_kernels)
+
+    @property
+    def decoder_layers(self) -> Sequence[DecoderLayer]:
+        """self.layers as what it holds (an nn.ModuleList's items are plain Modules to a type checker)."""
+        return cast("Sequence[DecoderLayer]", self.layers)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
@@ -252,7 +259,7 @@ class LlamaForCausalLM(nn.Module):
 
     def projection(self, layer: int, name: str) -> ProjectionLinear:
         """The ProjectionLinear holding target module `name` of layer `layer`."""
-        block = self.layers[layer]
+        block = self.decoder_layers[layer]
         holder = {
             "q_proj": block.self_attn.qkv,
             "k_proj": block.self_attn.qkv,
