@@ -55,7 +55,7 @@ def router_args(namespace: str, server: str, spec: Mapping[str, Any]) -> list[st
         "--pod-port", str(builders.server_port(spec)),
         "--host", f"$({c.POD_IP_ENV})",  # the pod's own address, as the server binds
         "--port", str(ROUTER_PORT),
-        "--epsilon", str(router.get("epsilon", 0.25)),
+        "--epsilon", str(router.get("epsilon", 0.5)),
         "--spill-queue", str(router.get("spillQueue", 8)),
     ]  # fmt: skip
 

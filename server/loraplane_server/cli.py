@@ -244,7 +244,7 @@ def _router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--selector", help="label selector of the server pods, e.g. loraplane.dev/server=smollm2")
     p.add_argument("--pod-port", type=int, default=8080, help="the server pods' HTTP port (with --selector)")
     p.add_argument(
-        "--epsilon", type=float, default=0.25, help="load bound: a pod over (1 + epsilon) x the mean is skipped"
+        "--epsilon", type=float, default=0.5, help="load bound: a pod over (1 + epsilon) x the mean is skipped"
     )
     p.add_argument(
         "--min-bound", type=int, default=2, help="a pod with fewer requests than this is never over the load bound"

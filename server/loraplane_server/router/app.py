@@ -54,7 +54,7 @@ class RouterConfig:
     selector: str | None = None
     pod_port: int = 8080
     admin_token: str | None = None  # the servers' admin token: /v1/adapters (residency) needs it
-    epsilon: float = 0.25  # load bound: (1 + epsilon) x the mean
+    epsilon: float = 0.5  # load bound: (1 + epsilon) x the mean (hot adapters spread by spilling)
     min_bound: int = MIN_BOUND  # ... but never under this many requests a pod
     spill_queue: int = 8  # widen an adapter's home when all its pods hold this many requests
     poll_s: float = 1.0
