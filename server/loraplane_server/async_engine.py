@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from loraplane_server.engine import LLMEngine, RequestOutput
+from loraplane_server.errors import EngineError, EngineShutdownError, InternalEngineError
 from loraplane_server.sampling_params import SamplingParams
 
 
@@ -54,7 +55,8 @@ class AsyncEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's output after every step that advanced it; the last one is finished.
 
-        Raises ValueError (a bad request) before the first yield.
+        Raises the engine's own error, as add_request raised it (an EngineError), before the first yield;
+        EngineShutdownError after shutdown(); InternalEngineError if the engine itself failed.
         """
         with self._lock:
             self._ids += 1
@@ -80,7 +82,7 @@ class AsyncEngine:
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
             if self._stopped:
-                raise RuntimeError("the engine is shut down")
+                raise EngineShutdownError()
             self._calls.append((fn, future))
         self._wake.set()
         return await asyncio.wrap_future(future)
@@ -93,7 +95,7 @@ class AsyncEngine:
     def _submit(self, add: _Add) -> None:
         with self._lock:
             if self._stopped:
-                raise RuntimeError("the engine is shut down")
+                raise EngineShutdownError()
             self._adds.append(add)
         self._wake.set()
 
@@ -141,10 +143,11 @@ class AsyncEngine:
             try:
                 self.engine.add_request(add.prompt, add.params, add.request_id, add.adapter_id)
                 self._streams[add.request_id] = add
-            except ValueError as exc:
+            except EngineError as exc:  # the request's own error: to its caller as raised
                 add.loop.call_soon_threadsafe(add.queue.put_nowait, exc)
             except Exception as exc:  # noqa: BLE001 - that request fails, the engine thread lives on
-                add.loop.call_soon_threadsafe(add.queue.put_nowait, RuntimeError(f"could not add the request: {exc}"))
+                error = _internal(f"could not add the request: {exc}", exc)
+                add.loop.call_soon_threadsafe(add.queue.put_nowait, error)
         for request_id in aborts:
             self.engine.abort(request_id)
 
@@ -159,5 +162,11 @@ class AsyncEngine:
     def _fail_all(self, exc: Exception) -> None:
         for request_id, add in list(self._streams.items()):
             self.engine.abort(request_id)
-            add.loop.call_soon_threadsafe(add.queue.put_nowait, RuntimeError(f"engine step failed: {exc}"))
+            add.loop.call_soon_threadsafe(add.queue.put_nowait, _internal(f"engine step failed: {exc}", exc))
         self._streams.clear()
+
+
+def _internal(message: str, cause: Exception) -> InternalEngineError:
+    error = InternalEngineError(message)
+    error.__cause__ = cause
+    return error

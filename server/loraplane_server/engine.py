@@ -18,12 +18,23 @@ from loraplane_server import cpu_features
 from loraplane_server.block_manager import BlockManager
 from loraplane_server.config import EngineConfig
 from loraplane_server.detokenizer import IncrementalText
+from loraplane_server.errors import (
+    AdapterError,
+    AdapterInUseError,
+    AdapterLoadError,
+    EmptyPromptError,
+    InvalidPromptError,
+    InvalidRequestError,
+    InvalidTokenIdError,
+    PromptTooLongError,
+    RequestFailedError,
+    UnknownAdapterError,
+)
 from loraplane_server.layers import cpu_kernels, triton_attention
 from loraplane_server.lora.disk_cache import DiskCache
 from loraplane_server.lora.manager import AdapterManager, AdapterState
 from loraplane_server.lora.slot_table import SlotTable
 from loraplane_server.lora.slots import LoRASlots
-from loraplane_server.lora.weights import AdapterError
 from loraplane_server.model_runner import ModelRunner, kv_block_bytes
 from loraplane_server.model_store import resolve_model
 from loraplane_server.models.loader import load_model, read_config
@@ -49,7 +60,8 @@ class RequestOutput:
     logprobs: list[float] = field(default_factory=list)
     num_cached_tokens: int = 0
     adapter_id: str | None = None
-    error: str | None = None
+    error: str | None = None  # why finish_reason is "error": str(failure)
+    failure: RequestFailedError | None = None
     arrival_time: float = 0.0  # time.monotonic() at add_request
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -116,7 +128,7 @@ class LLMEngine:
         )
         self._device_prewarm: set[str] = set()
         self._tier_goals: dict[str, str] = {}  # adapter -> the exact tier set_tier asked for, until reached
-        self._errors: dict[str, str] = {}
+        self._errors: dict[str, RequestFailedError] = {}
         phase("loading the tokenizer")
         self.tokenizer = _load_tokenizer(self.model_dir)
         self.eos_token_ids = _eos_ids(self.model_dir, hf_config)
@@ -139,14 +151,14 @@ class LLMEngine:
         params = params or SamplingParams()
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError(f"{self.model_dir} has no tokenizer: send token ids")
+                raise InvalidPromptError(f"{self.model_dir} has no tokenizer: send token ids", param="prompt")
             ids = self.tokenizer.encode(prompt, add_special_tokens=False)
         else:
             ids = list(prompt)
         request_id = request_id or f"req-{next(self._counter)}"
         self._validate(request_id, ids, params)
         if adapter_id is not None:
-            self.adapters.request(adapter_id)  # raises AdapterError for an unknown adapter
+            self.adapters.request(adapter_id)  # raises UnknownAdapterError
         seq = Sequence(request_id, ids, params, adapter_id)
         self.requests[request_id] = seq
         self._texts[request_id] = ""
@@ -157,23 +169,29 @@ class LLMEngine:
 
     def _validate(self, request_id: str, ids: list[int], params: SamplingParams) -> None:
         if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        if not ids:
-            raise ValueError("the prompt is empty")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {len(ids)} tokens; this model's context is {self.max_model_len} "
-                "tokens, and at least one must be left to generate"
-            )
-        vocab = self.runner.model.args.vocab_size
-        if min(ids) < 0 or max(ids) >= vocab:
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+        self.check_prompt(ids)
         total = min(len(ids) + params.max_new_tokens, self.max_model_len)
         if self.block_manager.blocks_needed(total) > self.block_manager.num_blocks:
-            raise ValueError(
+            raise InvalidPromptError(
                 f"{total} tokens do not fit in the KV cache ({self.block_manager.num_blocks} "
                 f"blocks of {self.block_manager.block_size})"
             )
+
+    def check_prompt(self, ids: list[int]) -> None:
+        """Every prompt's checks (add_request runs them; the HTTP API too, before it builds a request):
+        EmptyPromptError, PromptTooLongError (no token left to generate), InvalidTokenIdError."""
+        if not ids:
+            raise EmptyPromptError()
+        if len(ids) >= self.max_model_len:
+            raise PromptTooLongError(len(ids), self.max_model_len)
+        self.check_token_ids(ids)
+
+    def check_token_ids(self, ids: list[int]) -> None:
+        """InvalidTokenIdError naming the first id outside the model's vocabulary."""
+        vocab = self.runner.model.args.vocab_size
+        if ids and (min(ids) < 0 or max(ids) >= vocab):
+            raise InvalidTokenIdError(next(t for t in ids if not 0 <= t < vocab), vocab)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its blocks; its final output comes from the next step()."""
@@ -240,6 +258,7 @@ class LLMEngine:
         return None
 
     def _output(self, seq: Sequence, new: list[int]) -> RequestOutput:
+        failure = self._errors.get(seq.request_id)
         return RequestOutput(
             request_id=seq.request_id,
             prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
@@ -251,7 +270,8 @@ class LLMEngine:
             logprobs=list(seq.logprobs),
             num_cached_tokens=seq.num_cached_tokens,
             adapter_id=seq.adapter_id,
-            error=self._errors.get(seq.request_id),
+            error=None if failure is None else str(failure),
+            failure=failure,
             arrival_time=seq.arrival_time,
             first_scheduled_time=seq.first_scheduled_time,
             first_token_time=seq.first_token_time,
@@ -273,7 +293,7 @@ class LLMEngine:
                 continue  # fine, or superseded by a retry that is in flight
             self._device_prewarm.discard(adapter_id)
             for seq in self.scheduler.take_waiting(adapter_id):
-                outputs.append(self._fail(seq, f"adapter {adapter_id!r} failed to load: {error}"))
+                outputs.append(self._fail(seq, AdapterLoadError(adapter_id, error)))
         for adapter_id in [k for k in self.scheduler.rr if k is not None]:
             if self.adapters.was_evicted(adapter_id):
                 self.adapters.request(adapter_id)  # evicted from host while its requests waited
@@ -298,18 +318,20 @@ class LLMEngine:
             except (AdapterError, OSError, ValueError) as exc:
                 self.lora_slots.clear(slot)
                 for seq in [s for s in self.scheduler.running if s.adapter_id == adapter_id]:
-                    outputs.append(self._fail(seq, f"adapter {adapter_id!r} failed to load: {exc}"))
+                    outputs.append(self._fail(seq, AdapterLoadError(adapter_id, str(exc))))
                 self.slots.evict(adapter_id)
         return outputs
 
     def _fail_nonfinite(self) -> list[RequestOutput]:
         """Requests whose logits came out NaN or inf this step (the runner set them aside): each fails alone."""
         return [
-            self._fail(seq, f"the model produced NaN or infinite values for this request{_on_adapter(seq)}")
+            self._fail(
+                seq, RequestFailedError(f"the model produced NaN or infinite values for this request{_on_adapter(seq)}")
+            )
             for seq in self.runner.take_nonfinite()
         ]
 
-    def _fail(self, seq: Sequence, error: str) -> RequestOutput:
+    def _fail(self, seq: Sequence, error: RequestFailedError) -> RequestOutput:
         self.scheduler.finish(seq, FinishReason.ERROR)
         self._errors[seq.request_id] = error
         out = self._output(seq, [])
@@ -322,7 +344,7 @@ class LLMEngine:
         A pin keeps the adapter on every tier it reaches, its device slot included, so at most
         max_loras - 1 adapters can be pinned: PinLimitError (before any change) beyond that."""
         if tier not in ("device", "host", "disk", "none"):
-            raise ValueError(f"tier {tier!r}: expected device, host, disk or none")
+            raise InvalidRequestError(f"tier {tier!r}: expected device, host, disk or none", param="tier")
         if pinned:
             self.slots.check_pin(adapter_id)
         if tier != "none":
@@ -334,10 +356,10 @@ class LLMEngine:
             (self.slots.pin if pinned else self.slots.unpin)(adapter_id)
 
     def unload(self, adapter_id: str) -> bool:
-        """Forget an adapter on every tier. Refused (ValueError) while requests use or await it."""
+        """Forget an adapter on every tier. Refused (AdapterInUseError) while requests use or await it."""
         users = [s for s in self.requests.values() if s.adapter_id == adapter_id]
         if users:
-            raise ValueError(f"adapter {adapter_id!r} is in use by {len(users)} requests")
+            raise AdapterInUseError(adapter_id, len(users))
         slot = self.slots.lookup(adapter_id)
         if slot is not None:
             self.slots.evict(adapter_id)
@@ -354,11 +376,11 @@ class LLMEngine:
         Promotion loads it as prewarm does. Demotion frees: the device slot at once, or once the running
         requests that use it finish (the row's tier stays "device" meanwhile, "target_tier" says the goal);
         to disk also the host copy. Demoting below device clears a pin. Later requests may promote it again.
-        AdapterError for an unknown adapter, ValueError for another tier."""
+        UnknownAdapterError for an unknown adapter, InvalidRequestError for another tier."""
         if tier not in ("device", "host", "disk"):
-            raise ValueError(f"tier {tier!r}: expected device, host or disk")
+            raise InvalidRequestError(f"tier {tier!r}: expected device, host or disk", param="tier")
         if self.adapters.lookup(adapter_id) is None:
-            raise AdapterError(f"unknown adapter {adapter_id!r}")
+            raise UnknownAdapterError(adapter_id)
         self._tier_goals[adapter_id] = tier
         if tier == "device":
             self.prewarm(adapter_id, "device")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from loraplane_server.errors import InvalidParameterError
+
 GREEDY_BELOW = 1e-5  # a temperature this small is greedy (vLLM's rule): dividing logits by it overflows
 MIN_REPETITION_PENALTY = 0.01  # a smaller penalty p overflows the seen tokens' logits (x / p) to inf, then NaN
 # float32 rounds a smaller top_p to 0, which drops every token; any top_p this small keeps the top token alone
@@ -12,7 +14,7 @@ MIN_TOP_P = 1e-30
 
 @dataclass
 class SamplingParams:
-    """How one request is decoded. Validated once at construction.
+    """How one request is decoded. Validated once at construction (InvalidParameterError, a ValueError).
 
     temperature 0 (or below GREEDY_BELOW) means greedy. seed makes sampling reproducible for this request alone,
     whatever batch it shares a step with.
@@ -48,9 +50,9 @@ class SamplingParams:
         ]
         for name, ok, why in checks:
             if not ok:
-                raise ValueError(f"{name}={getattr(self, name)!r} {why}")
+                raise InvalidParameterError(f"{name}={getattr(self, name)!r} {why}", param=name)
         if any(not s for s in self.stop):
-            raise ValueError("stop strings must not be empty")
+            raise InvalidParameterError("stop strings must not be empty", param="stop")
 
     @property
     def is_greedy(self) -> bool:

@@ -6,11 +6,10 @@ from __future__ import annotations
 import asyncio
 import time
 
-from loraplane_server.http.errors import ApiError
+from loraplane_server.errors import AdapterInUseError, EngineError, UnknownAdapterError
+from loraplane_server.http.errors import ApiError, api_error
 from loraplane_server.http.security import check_source
 from loraplane_server.http.state import ServerState
-from loraplane_server.lora.slot_table import PinLimitError
-from loraplane_server.lora.weights import AdapterError
 
 _TIER_RANK = {"device": 0, "host": 1, "disk": 2, "source": 3}
 EXACT_TIERS = ("device", "host", "disk")  # what POST /v1/adapters/{id}/tier accepts
@@ -38,16 +37,14 @@ async def register(state: ServerState, adapter_id: str, uri: str, param: str) ->
         if rec is not None and rec.source.uri == source.uri:
             return False
         if rec is not None:
-            engine.unload(adapter_id)  # ValueError while in use
+            engine.unload(adapter_id)  # AdapterInUseError while in use
         engine.adapters.register(adapter_id, source.uri)
         return True
 
     try:
         return await state.call(_register)
-    except ValueError as exc:
-        raise ApiError(
-            409, f"cannot re-point adapter {adapter_id!r}: {exc}", param=param, code="adapter_in_use"
-        ) from exc
+    except AdapterInUseError as exc:
+        raise api_error(exc, param=param, prefix=f"cannot re-point adapter {adapter_id!r}") from exc
 
 
 async def prewarm(state: ServerState, adapter_id: str, tier: str, pinned: bool | None) -> None:
@@ -55,17 +52,13 @@ async def prewarm(state: ServerState, adapter_id: str, tier: str, pinned: bool |
 
     def _prewarm() -> None:
         if engine.adapters.lookup(adapter_id) is None:
-            raise AdapterError(f"unknown adapter {adapter_id!r}: give a source to register it")
+            raise UnknownAdapterError(adapter_id, "give a source to register it")
         engine.prewarm(adapter_id, tier, pinned)
 
     try:
         await state.call(_prewarm)
-    except AdapterError as exc:
-        raise ApiError(404, str(exc), code="adapter_not_found") from exc
-    except PinLimitError as exc:
-        raise ApiError(409, str(exc), param="pinned", code="pin_limit") from exc
-    except ValueError as exc:
-        raise ApiError(400, str(exc), code="invalid_adapter") from exc
+    except EngineError as exc:
+        raise api_error(exc) from exc
 
 
 async def set_tier(state: ServerState, adapter_id: str, tier: str | None) -> dict:
@@ -77,8 +70,8 @@ async def set_tier(state: ServerState, adapter_id: str, tier: str | None) -> dic
     engine, _ = state.require_engine()
     try:
         return await state.call(lambda: engine.set_tier(adapter_id, tier))
-    except AdapterError as exc:
-        raise ApiError(404, str(exc), code="adapter_not_found") from exc
+    except EngineError as exc:
+        raise api_error(exc) from exc
 
 
 async def wait_for(state: ServerState, adapter_id: str, tier: str, timeout_s: float) -> dict:
@@ -98,7 +91,7 @@ async def unload(state: ServerState, adapter_id: str) -> None:
     engine, _ = state.require_engine()
     try:
         found = await state.call(lambda: engine.unload(adapter_id))
-    except ValueError as exc:
-        raise ApiError(409, str(exc), code="adapter_in_use") from exc
+    except EngineError as exc:
+        raise api_error(exc) from exc
     if not found:
         raise ApiError(404, f"unknown adapter {adapter_id!r}", code="adapter_not_found")

@@ -1,13 +1,14 @@
 """Errors as JSON bodies: OpenAI's shape on /v1 routes, LoRAX's on /, /generate and /generate_stream.
 
 OpenAI: {"error": {"message", "type", "param", "code"}}. LoRAX: {"error": message, "error_type"}.
+The engine's typed errors (loraplane_server.errors) get their status codes here alone: `api_error`.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -15,6 +16,20 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from loraplane_server.errors import (
+    AdapterError,
+    AdapterInUseError,
+    EmptyPromptError,
+    EngineError,
+    EngineShutdownError,
+    InvalidParameterError,
+    InvalidPromptError,
+    InvalidRequestError,
+    InvalidTokenIdError,
+    PinLimitError,
+    PromptTooLongError,
+    UnknownAdapterError,
+)
 from loraplane_server.http.lifecycle import Rejected
 from loraplane_server.http.valid_text import UNICODE_ERROR
 
@@ -69,6 +84,44 @@ def error_response(path: str, exc: ApiError) -> JSONResponse:
 
 def rejected_error(exc: Rejected) -> ApiError:
     return ApiError(exc.status, str(exc), code=exc.reason, headers={"Retry-After": "1"})
+
+
+class _Status(NamedTuple):
+    status: int
+    code: str
+    message: str | None = None  # None: the error's own
+    retry: bool = False  # Retry-After: 1
+
+
+# an engine error's status: the row of the nearest class in its MRO
+_ENGINE_STATUS: dict[type[EngineError], _Status] = {
+    UnknownAdapterError: _Status(404, "adapter_not_found"),
+    AdapterError: _Status(400, "invalid_adapter"),
+    AdapterInUseError: _Status(409, "adapter_in_use"),
+    PinLimitError: _Status(409, "pin_limit"),
+    InvalidParameterError: _Status(422, "invalid_parameter"),
+    EmptyPromptError: _Status(400, "empty_prompt"),
+    PromptTooLongError: _Status(400, "context_length_exceeded"),
+    InvalidTokenIdError: _Status(400, "invalid_token_id"),
+    InvalidPromptError: _Status(400, "invalid_prompt"),
+    InvalidRequestError: _Status(400, "invalid_request"),
+    EngineShutdownError: _Status(503, "shutting_down", "the server is shutting down", retry=True),
+    EngineError: _Status(500, "engine_error"),
+}
+
+
+def api_error(exc: EngineError, param: str | None = None, prefix: str | None = None) -> ApiError:
+    """An engine error as the request's ApiError. `param`: the API's name for the offending field (an
+    InvalidRequestError's message then names it so too); `prefix`: what the caller was doing."""
+    row = next(_ENGINE_STATUS[c] for c in type(exc).__mro__ if c in _ENGINE_STATUS)
+    if param is not None and isinstance(exc, InvalidRequestError):
+        message = exc.naming(param)
+    else:
+        message = row.message or str(exc)
+    if prefix is not None:
+        message = f"{prefix}: {message}"
+    headers = {"Retry-After": "1"} if row.retry else None
+    return ApiError(row.status, message, param=param or exc.param, code=row.code, headers=headers)
 
 
 def describe_validation(errors: Sequence[Any]) -> tuple[str, str | None]:

@@ -14,11 +14,11 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from loraplane_server.engine import RequestOutput
-from loraplane_server.http.errors import ApiError, rejected_error
+from loraplane_server.errors import EngineError, RequestFailedError
+from loraplane_server.http.errors import ApiError, api_error, rejected_error
 from loraplane_server.http.lifecycle import Rejected
 from loraplane_server.http.state import ServerState
 from loraplane_server.http.text_delta import TextDelta
-from loraplane_server.lora.weights import AdapterError
 from loraplane_server.sampling_params import SamplingParams
 
 
@@ -58,6 +58,7 @@ class Generation:
         self.text = ""
         self.finish_reason: str | None = None
         self.error: str | None = None
+        self.failure: RequestFailedError | None = None
         self.first_token_time: float | None = None
         self.end_time: float | None = None
         self._last_token_time: float | None = None
@@ -81,21 +82,12 @@ class Generation:
         self._stream = front.generate(self.prompt_ids, self.params, self.request_id, self.adapter_id)
         try:
             self._first = await anext(self._stream)
-        except AdapterError as exc:
-            status = 404 if "unknown adapter" in str(exc) else 400
-            raise ApiError(status, str(exc), code="adapter_not_found" if status == 404 else "invalid_adapter") from exc
-        except ValueError as exc:
-            raise ApiError(400, str(exc), code="invalid_prompt") from exc
-        except RuntimeError as exc:
-            if "shut down" in str(exc):
-                raise ApiError(
-                    503, "the server is shutting down", code="shutting_down", headers={"Retry-After": "1"}
-                ) from exc
-            raise ApiError(500, str(exc), code="engine_error") from exc
+        except EngineError as exc:
+            raise api_error(exc) from exc
         finally:
             self.state.lifecycle.started()
         if self._first.finish_reason == "error" and not self._first.token_ids:
-            error = self.state.public_error(self.adapter_id, self._first.error or "the request failed")
+            error = self.state.public_error(self._first.failure)
             raise ApiError(400, error, code="adapter_load_failed")
         self._start_failed = False
 
@@ -163,7 +155,7 @@ class Generation:
         piece = self.delta.push(out.text, out.finished)
         self.text += piece
         if out.finished:
-            self.finish_reason, self.error = out.finish_reason, out.error
+            self.finish_reason, self.error, self.failure = out.finish_reason, out.error, out.failure
             self.end_time = now
         special = token is not None and token in self.state.special_ids
         return TokenEvent(token, piece, logprob, special, out.finished, out.finish_reason, out.error)
@@ -172,7 +164,7 @@ class Generation:
     def raise_if_failed(self) -> None:
         """A finished non-streaming request that did not finish normally: its error as a status code."""
         if self.finish_reason == "error":  # the engine fails a request only for its adapter or its values
-            error = self.state.public_error(self.adapter_id, self.error or "the request failed")
+            error = self.state.public_error(self.failure)
             raise ApiError(422, f"generation failed: {error}", code="generation_failed")
         if self.finish_reason in (None, "abort"):
             raise ApiError(

@@ -6,7 +6,8 @@ through asyncio.to_thread, so the event loop (and /health, and every other reque
 
 from __future__ import annotations
 
-from loraplane_server.http.errors import ApiError
+from loraplane_server.errors import InvalidPromptError
+from loraplane_server.http.errors import ApiError, api_error
 from loraplane_server.http.state import ServerState
 
 
@@ -24,12 +25,10 @@ def chat_prompt_ids(state: ServerState, messages: list[dict[str, str]]) -> list[
 def check_token_ids(state: ServerState, token_ids: list[int], param: str) -> list[int]:
     """A token-id prompt, 400 unless every id is in the model's vocabulary (checked before anything decodes it)."""
     engine, _ = state.require_engine()
-    vocab = engine.runner.model.args.vocab_size
-    bad = next((t for t in token_ids if not 0 <= t < vocab), None)
-    if bad is not None:
-        raise ApiError(
-            400, f"prompt token id {bad} is outside the vocabulary [0, {vocab})", param=param, code="invalid_token_id"
-        )
+    try:
+        engine.check_token_ids(token_ids)
+    except InvalidPromptError as exc:
+        raise api_error(exc, param=param) from exc
     return token_ids
 
 
@@ -57,19 +56,15 @@ def chat_prompt(state: ServerState, messages: list[dict[str, str]]) -> str:
         ) from exc
 
 
-def check_budget(state: ServerState, num_prompt: int, max_new: int | None, param: str) -> int:
-    """max_new (or what is left of the context when None); 400 when the prompt or the total is too long."""
+def check_budget(state: ServerState, ids: list[int], max_new: int | None, param: str) -> int:
+    """max_new (or what is left of the context when None); 400 when the prompt (the engine's checks, run
+    here before the request is built) or the total is too long."""
     engine, _ = state.require_engine()
-    limit = engine.max_model_len
-    if num_prompt == 0:
-        raise ApiError(400, "the prompt is empty", code="empty_prompt")
-    if num_prompt >= limit:
-        raise ApiError(
-            400,
-            f"the prompt has {num_prompt} tokens; this model's context is {limit} tokens and at "
-            "least one must be left to generate: shorten the prompt",
-            code="context_length_exceeded",
-        )
+    try:
+        engine.check_prompt(ids)
+    except InvalidPromptError as exc:
+        raise api_error(exc) from exc
+    limit, num_prompt = engine.max_model_len, len(ids)
     if max_new is None:
         return limit - num_prompt
     if num_prompt + max_new > limit:

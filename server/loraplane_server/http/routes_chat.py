@@ -47,7 +47,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     messages = [{"role": m.role, "content": m.text()} | ({"name": m.name} if m.name else {}) for m in body.messages]
     ids = await asyncio.to_thread(chat_prompt_ids, state, messages)
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-    max_new = check_budget(state, len(ids), body.max_completion_tokens or body.max_tokens, param)
+    max_new = check_budget(state, ids, body.max_completion_tokens or body.max_tokens, param)
     gens = make_generations(state, "openai", body, [ids], [max_new], body.logprobs, arrival, adapter_id)
     rid, ts = response_id("chatcmpl"), created()
     await start_all(gens)

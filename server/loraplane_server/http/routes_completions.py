@@ -52,7 +52,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
             "choices allowed in one request",
             param="n",
         )
-    max_new = [check_budget(state, len(ids), body.max_tokens, "max_tokens") for ids in prompts]
+    max_new = [check_budget(state, ids, body.max_tokens, "max_tokens") for ids in prompts]
     gens = make_generations(state, "openai", body, prompts, max_new, body.logprobs is not None, arrival, adapter_id)
     rid, ts = response_id("cmpl"), created()
     await start_all(gens)

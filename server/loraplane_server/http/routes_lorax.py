@@ -72,10 +72,10 @@ async def _prepare(state: ServerState, body: GenerateRequest, request: Request) 
     if p.truncate is not None:
         ids = ids[-p.truncate :]
     if p.max_new_tokens is None:
-        max_new = check_budget(state, len(ids), None, "parameters.max_new_tokens")
+        max_new = check_budget(state, ids, None, "parameters.max_new_tokens")
         max_new = min(max_new, DEFAULT_MAX_NEW_TOKENS)
     else:
-        max_new = check_budget(state, len(ids), p.max_new_tokens, "parameters.max_new_tokens")
+        max_new = check_budget(state, ids, p.max_new_tokens, "parameters.max_new_tokens")
     # TGI: any warper (temperature != 1, top_k, top_p < 1) turns sampling on, temperature 0 turns it off
     warpers = p.temperature not in (None, 1.0) or bool(p.top_k) or p.top_p not in (None, 1.0)
     sampling = (p.do_sample or warpers) and p.temperature != 0.0

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import random
 
-from loraplane_server.http.errors import ApiError
+from loraplane_server.errors import InvalidParameterError
+from loraplane_server.http.errors import ApiError, api_error
 from loraplane_server.sampling_params import SamplingParams
 
 
@@ -12,13 +13,8 @@ def make_params(names: dict[str, str], **fields: object) -> SamplingParams:
     """SamplingParams(**fields); `names` maps an engine field to the API's name for error messages."""
     try:
         return SamplingParams(**fields)  # type: ignore[arg-type]
-    except ValueError as exc:
-        message = str(exc)
-        field = message.split("=", 1)[0].split(" ", 1)[0]
-        api_name = names.get(field, field)
-        if api_name != field:
-            message = message.replace(field, api_name, 1)
-        raise ApiError(422, message, param=api_name, code="invalid_parameter") from exc
+    except InvalidParameterError as exc:
+        raise api_error(exc, param=names.get(exc.param, exc.param)) from exc
 
 
 def unsupported(param: str, what: str) -> ApiError:

@@ -12,8 +12,9 @@ from fastapi import Request
 
 from loraplane_server.async_engine import AsyncEngine
 from loraplane_server.engine import LLMEngine
+from loraplane_server.errors import AdapterLoadError, EngineShutdownError, RequestFailedError
 from loraplane_server.http.engine_snapshot import EngineSnapshot, take_snapshot
-from loraplane_server.http.errors import ApiError
+from loraplane_server.http.errors import ApiError, api_error
 from loraplane_server.http.lifecycle import Lifecycle
 from loraplane_server.http.metrics import Metrics
 from loraplane_server.http.server_config import ServerConfig
@@ -92,19 +93,19 @@ class ServerState:
         _, front = self.require_engine()
         try:
             return await front.call(fn)
-        except RuntimeError as exc:
-            if "shut down" in str(exc):
-                raise ApiError(503, "the engine is shut down", code="shutting_down") from exc
-            raise
+        except EngineShutdownError as exc:
+            raise api_error(exc) from exc
 
-    def public_error(self, adapter_id: str | None, error: str) -> str:
+    def public_error(self, failure: RequestFailedError | None) -> str:
         """A request's engine error as generation routes show it. With an admin token set, their callers
         need not be admins, and an adapter's load failure may name its source and server paths: they get
         a pointer to GET /v1/adapters (admin only), which keeps the reason."""
-        failed = f"adapter {adapter_id!r} failed to load"  # the engine's prefix for these errors
-        if self.config.admin_token is None or adapter_id is None or not error.startswith(failed):
-            return error
-        return f"{failed}; an admin can see the reason at GET /v1/adapters/{adapter_id}"
+        if failure is None:
+            return "the request failed"
+        if self.config.admin_token is None or not isinstance(failure, AdapterLoadError):
+            return str(failure)
+        adapter_id = failure.adapter_id
+        return f"adapter {adapter_id!r} failed to load; an admin can see the reason at GET /v1/adapters/{adapter_id}"
 
     async def snapshot(self) -> EngineSnapshot:
         engine, _ = self.require_engine()

@@ -20,8 +20,9 @@ from pathlib import Path
 
 import torch
 
+from loraplane_server.errors import AdapterError, InvalidRequestError, UnknownAdapterError
 from loraplane_server.lora.disk_cache import DiskCache
-from loraplane_server.lora.weights import AdapterError, LoRAWeights, load_lora, read_adapter_config
+from loraplane_server.lora.weights import LoRAWeights, load_lora, read_adapter_config
 from loraplane_server.models.args import ModelArgs
 from loraplane_server.sources import AdapterSource, AdapterSourceError, fetch, parse_source
 
@@ -132,7 +133,7 @@ class AdapterManager:
         """A request wants this adapter: True if it is in host memory, else start a load (False)."""
         rec = self.lookup(adapter_id)
         if rec is None:
-            raise AdapterError(f"unknown adapter {adapter_id!r}: register it first (POST /v1/adapters)")
+            raise UnknownAdapterError(adapter_id, "register it first (POST /v1/adapters)")
         with self._lock:
             rec.last_used = time.time()
             if adapter_id in self.host:
@@ -284,7 +285,7 @@ class AdapterManager:
         """Start moving an adapter to the host or disk tier (device is the engine's job)."""
         rec = self.lookup(adapter_id)
         if rec is None:
-            raise AdapterError(f"unknown adapter {adapter_id!r}")
+            raise UnknownAdapterError(adapter_id)
         with self._lock:
             if tier in ("host", "device") and adapter_id not in self.host:
                 self._start_load(rec, "host")
@@ -297,9 +298,9 @@ class AdapterManager:
         into host memory if missing; disk: the host copy dropped, fetched to the disk cache if missing."""
         rec = self.lookup(adapter_id)
         if rec is None:
-            raise AdapterError(f"unknown adapter {adapter_id!r}")
+            raise UnknownAdapterError(adapter_id)
         if tier not in ("host", "disk"):
-            raise ValueError(f"tier {tier!r}: expected host or disk")
+            raise InvalidRequestError(f"tier {tier!r}: expected host or disk", param="tier")
         with self._lock:
             if rec.state == AdapterState.LOADING:
                 return False  # a load in flight would put it back into host memory: act once it is done

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-
-class PinLimitError(Exception):
-    """Pinning one more adapter would leave no device slot for the unpinned ones."""
+from loraplane_server.errors import PinLimitError as PinLimitError  # raised here; importers also take it from here
 
 
 class SlotTable:

@@ -31,6 +31,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+from loraplane_server.errors import AdapterError as AdapterError  # raised here; importers also take it from here
 from loraplane_server.models.args import FUSED_PROJECTIONS, TARGET_MODULES, VISION_MODULES, ModelArgs
 
 log = logging.getLogger("loraplane.adapters")
@@ -46,10 +47,6 @@ MAX_CONFIG_BYTES = 1 << 20
 MAX_PATTERNS = 4096  # entries per alpha_pattern / rank_pattern; one per module of an 80-layer model is 560
 MAX_PATTERN_KEY = 512
 _PATTERN_KEY_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-")
-
-
-class AdapterError(ValueError):
-    """A broken, hostile or incompatible adapter; the message says what to fix."""
 
 
 @dataclass
