@@ -12,7 +12,7 @@ from lora_helpers import ADAPTER_SPECS, make_peft_adapter, teacher_forced
 from loraplane_server.config import EngineConfig
 from loraplane_server.engine import LLMEngine
 from loraplane_server.layers import cpu_kernels
-from loraplane_server.lora.batch import LoRABatch
+from loraplane_server.lora.backends import TorchBackend
 from loraplane_server.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.requires_cpu_kernels  # the BGMV kernels themselves: requires_avx512_bf16
@@ -160,7 +160,7 @@ def test_bf16_engine_with_many_adapters_follows_peft_fp32(
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    monkeypatch.setattr(LoRABatch, "DENSE_MAX_SLOTS", 0)
+    monkeypatch.setattr(TorchBackend, "DENSE_MAX_SLOTS", 0)
     adapters = {
         name: make_peft_adapter(smollm2_dir, tmp_path / name, seed=i, b_scale=1.0, **spec)
         for i, (name, spec) in enumerate(ADAPTER_SPECS.items())

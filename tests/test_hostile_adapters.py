@@ -23,7 +23,7 @@ from lora_helpers import make_peft_adapter
 from loraplane_server.config import EngineConfig
 from loraplane_server.engine import LLMEngine, RequestOutput
 from loraplane_server.layers.linear import ProjectionLinear
-from loraplane_server.lora.batch import LoRABatch
+from loraplane_server.lora.backends import CPUKernelBackend, LoRABackend, TorchBackend, TritonBackend
 from loraplane_server.lora.slots import LoRASlots
 from loraplane_server.lora.weights import AdapterError, LoRAWeights, load_lora
 from loraplane_server.models.llama import ModelArgs
@@ -155,7 +155,12 @@ def projection_layers(model: torch.nn.Module) -> list[ProjectionLinear]:
 
 
 def run_layers(
-    slots: LoRASlots, model: torch.nn.Module, decode: list[int], segments: list[tuple[int, int, int]], num: int, **kw
+    slots: LoRASlots,
+    model: torch.nn.Module,
+    decode: list[int],
+    segments: list[tuple[int, int, int]],
+    num: int,
+    backend: LoRABackend,
 ) -> list[torch.Tensor]:
     """The LoRA output of every projection layer for one step's rows, from fixed random inputs."""
     gen = torch.Generator().manual_seed(7)
@@ -164,7 +169,7 @@ def run_layers(
         dtype = slots.packed[layer.kind].dtype if slots.packed is not None else slots.a[layer.kind].dtype
         x = torch.randn(num, layer.in_features, generator=gen).to(dtype)
         out = torch.randn(num, layer.out_features, generator=gen).to(dtype)
-        LoRABatch(slots, decode, segments, torch.device("cpu"), num_tokens=num, **kw).apply(layer, x, out)
+        backend.prepare(slots, decode, segments, num).apply(layer, x, out)
         outs.append(out)
     return outs
 
@@ -180,13 +185,13 @@ def same_rank_adapters(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFa
 
 
 PATHS = {
-    "torch-grouped": dict(dtype=torch.float32, packed=False, kw={}),
-    "torch-bgmv": dict(dtype=torch.float32, packed=False, kw={}, dense_max=0),
-    "triton": dict(dtype=torch.float32, packed=False, kw={"use_triton": True}),
+    "torch-grouped": dict(dtype=torch.float32, packed=False, backend=TorchBackend),
+    "torch-bgmv": dict(dtype=torch.float32, packed=False, backend=TorchBackend, dense_max=0),
+    "triton": dict(dtype=torch.float32, packed=False, backend=TritonBackend),
     "cpu-kernel": dict(
         dtype=torch.bfloat16,
         packed=True,
-        kw={},
+        backend=CPUKernelBackend,
         marks=[pytest.mark.requires_avx512_bf16, pytest.mark.requires_cpu_kernels],
     ),
 }
@@ -207,7 +212,7 @@ def test_a_poisoned_slot_never_reaches_other_rows(
     took). Before, the torch decode path masked other slots with a zero one-hot: 0 x NaN = NaN."""
     spec = PATHS[path]
     if "dense_max" in spec:
-        monkeypatch.setattr(LoRABatch, "DENSE_MAX_SLOTS", spec["dense_max"])
+        monkeypatch.setattr(TorchBackend, "DENSE_MAX_SLOTS", spec["dense_max"])
     if path == "triton":
         pytest.importorskip("triton")
     dtype = spec["dtype"]
@@ -221,9 +226,10 @@ def test_a_poisoned_slot_never_reaches_other_rows(
     num = 16
     hostile = [i for i, s in enumerate(decode) if s == 1] + list(range(11, 14))
     clean_decode = [none if s == 1 else s for s in decode]
-    reference = run_layers(slots, model, clean_decode, segments[:1], num, **spec["kw"])
+    backend = spec["backend"](torch.device("cpu"))
+    reference = run_layers(slots, model, clean_decode, segments[:1], num, backend)
     plant(slots, 1, value)
-    poisoned = run_layers(slots, model, decode, segments, num, **spec["kw"])
+    poisoned = run_layers(slots, model, decode, segments, num, backend)
     others = [i for i in range(num) if i not in hostile]
     for ref, out in zip(reference, poisoned, strict=True):
         assert torch.equal(out[others], ref[others])

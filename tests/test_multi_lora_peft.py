@@ -13,7 +13,7 @@ import torch
 from lora_helpers import ADAPTER_SPECS, make_peft_adapter, peft_greedy
 from loraplane_server.config import EngineConfig
 from loraplane_server.engine import LLMEngine
-from loraplane_server.lora.batch import LoRABatch
+from loraplane_server.lora.backends import TorchBackend
 from loraplane_server.sampling_params import SamplingParams
 
 
@@ -81,7 +81,7 @@ def check_against_peft(base_dir: Path, tmp: Path, vocab: int, max_loras: int, b_
 def test_tiny_mixed_batch_matches_peft(
     tiny_llama_dir: Path, tmp_path: Path, max_loras: int, dense_max: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(LoRABatch, "DENSE_MAX_SLOTS", dense_max)  # both decode paths
+    monkeypatch.setattr(TorchBackend, "DENSE_MAX_SLOTS", dense_max)  # both decode paths
     check_against_peft(tiny_llama_dir, tmp_path, 512, max_loras, b_scale=1.0)
 
 

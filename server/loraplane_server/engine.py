@@ -31,6 +31,7 @@ from loraplane_server.errors import (
     UnknownAdapterError,
 )
 from loraplane_server.layers import cpu_kernels, triton_attention
+from loraplane_server.lora import backends as lora_backends
 from loraplane_server.lora.disk_cache import DiskCache
 from loraplane_server.lora.manager import AdapterManager, AdapterState
 from loraplane_server.lora.slot_table import SlotTable
@@ -110,11 +111,12 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, self.slots, self.adapters.is_ready
         )
-        use_triton = config.lora_backend == "triton" or (config.lora_backend == "auto" and self.device.type == "cuda")
         self.attention_backend = _attention_backend(config.attention_backend, self.device)
         self.layer_backend = _layer_backend(config.layer_backend, self.device, self.dtype)
-        packed = self.layer_backend == "cpu_kernel" and not use_triton  # the CPU LoRA kernel's layout
-        self.lora_slots = LoRASlots(model, config.max_loras, config.max_lora_rank, self.dtype, self.device, packed)
+        self.lora_backend = lora_backends.resolve(config.lora_backend, self.layer_backend, self.device)
+        self.lora_slots = LoRASlots(
+            model, config.max_loras, config.max_lora_rank, self.dtype, self.device, self.lora_backend.packed_slots
+        )
         self.runner = ModelRunner(
             model,
             num_blocks,
@@ -122,7 +124,7 @@ class LLMEngine:
             self.dtype,
             self.device,
             self.lora_slots,
-            use_triton,
+            self.lora_backend,
             decode_attention=self.attention_backend,
             layer_kernels=self.layer_backend == "cpu_kernel",
         )

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from loraplane_server.lora.batch import LoRABatch
+    from loraplane_server.lora.backends import LoRABatch
 
 
 @dataclass
@@ -31,7 +31,7 @@ class ForwardBatch:
     decode_block_tables: torch.Tensor | None  # [Bd, max_blocks] int64, padded with 0
     decode_context_lens: torch.Tensor | None  # [Bd] int64, including the new token
     decode_mask: torch.Tensor | None = None  # [Bd, 1, 1, max_blocks * block_size] bool (torch path only)
-    # bf16 on the CPU: fused norm/rotary/activation, linear and BGMV kernels (layers/*.py, lora/batch.py)
+    # bf16 on the CPU: fused norm/rotary/activation, linear and BGMV kernels (layers/*.py, lora/backends/cpu_kernel.py)
     layer_kernels: bool = False
     # torch (gather + SDPA) | cpu_kernel (decode; bf16 prefill too) | triton (decode): the kernels read blocks in place
     decode_attention: str = "torch"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from loraplane_server.forward_batch import ForwardBatch, PrefillChunk
-from loraplane_server.lora.batch import LoRABatch
+from loraplane_server.lora.backends import LoRABackend, LoRABatch, TorchBackend, TritonBackend
 from loraplane_server.lora.slots import LoRASlots
 from loraplane_server.models.llama import LlamaForCausalLM
 from loraplane_server.sampler import Sampler
@@ -26,7 +26,7 @@ class ModelRunner:
         dtype: torch.dtype,
         device: torch.device,
         lora_slots: LoRASlots | None = None,
-        use_triton: bool = False,
+        lora_backend: LoRABackend | None = None,
         decode_attention: str = "torch",
         layer_kernels: bool = False,
     ) -> None:
@@ -39,11 +39,16 @@ class ModelRunner:
         )  # [L, 2, N, B, KVH, D]
         self.sampler = Sampler(kernels=layer_kernels)
         self.lora_slots = lora_slots
-        self.use_triton = use_triton
+        self.lora_backend = lora_backend or TorchBackend(device)  # chosen once (lora/backends.resolve)
         self.decode_attention = decode_attention  # torch | cpu_kernel | triton (layers/attention.py)
         self.layer_kernels = layer_kernels  # the bf16 CPU kernels for linear, norm/rotary/activation and BGMV
         self.generators: dict[int, torch.Generator | None] = {}  # seq id -> its own RNG
         self.nonfinite: list[Sequence] = []  # sequences whose logits were NaN or inf, for the engine to fail
+
+    @property
+    def use_triton(self) -> bool:
+        """Whether LoRA runs on the Triton backend."""
+        return isinstance(self.lora_backend, TritonBackend)
 
     def prepare(self, scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, ForwardBatch, list[Sequence]]:
         """Flatten a step into input ids and a ForwardBatch; decodes first, then prefill chunks."""
@@ -112,7 +117,7 @@ class ModelRunner:
                 segments[-1] = (segments[-1][0], end, seq.lora_slot)  # merge runs of one adapter
             else:
                 segments.append((start, end, seq.lora_slot))
-        lora = LoRABatch(self.lora_slots, decode_slots, segments, self.device, self.use_triton, num_tokens)
+        lora = self.lora_backend.prepare(self.lora_slots, decode_slots, segments, num_tokens)
         return None if lora.is_empty else lora
 
     def _row_slots(self, seqs: list[Sequence]) -> list[int]:
@@ -125,7 +130,7 @@ class ModelRunner:
         """The adapters of the logits rows (one per sampling sequence, in order), each row on its own."""
         assert self.lora_slots is not None
         rows = self._row_slots(samplers)
-        lora = LoRABatch(self.lora_slots, rows, [], self.device, self.use_triton, len(rows))
+        lora = self.lora_backend.prepare(self.lora_slots, rows, [], len(rows))
         return None if lora.is_empty else lora
 
     @torch.inference_mode()

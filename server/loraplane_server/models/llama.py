@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, cast
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -20,10 +20,8 @@ from loraplane_server.layers.attention import paged_attention
 from loraplane_server.layers.linear import ProjectionLinear, base_linear
 from loraplane_server.layers.norm import RMSNorm
 from loraplane_server.layers.rotary import RotaryEmbedding, apply_rotary, rope_attention_scaling
+from loraplane_server.lora.backends.cpu_kernel import CPUKernelLoRABatch
 from loraplane_server.models.args import ModelArgs
-
-if TYPE_CHECKING:
-    from loraplane_server.lora.batch import LoRABatch
 
 
 class Attention(nn.Module):
@@ -103,7 +101,7 @@ class FusedStep:
     step: list[torch.Tensor | None]  # cos, sin, slot_mapping, decode tables, decode lengths, LoRA row slots
     chunk_tables: list[torch.Tensor]
     chunks: list[int]  # (query_start, tokens, context) per prefill chunk
-    lora: LoRABatch | None
+    lora: CPUKernelLoRABatch | None
     skip_slot: int
 
 
@@ -246,7 +244,9 @@ class LlamaForCausalLM(nn.Module):
         """The step's arguments to cpu_kernels.decoder_layer, or None where the fused layer does not
         apply (the Python layers then run the same kernels one by one)."""
         lora = batch.lora
-        if batch.decode_attention != "cpu_kernel" or (lora is not None and lora.row_slots is None):
+        if lora is not None and not isinstance(lora, CPUKernelLoRABatch):  # the kernel reads packed slots only
+            return None
+        if batch.decode_attention != "cpu_kernel":
             return None
         if batch.prefills and not cpu_kernels.prefill_kernel_applies_to(torch.bfloat16, self.args.head_dim):
             return None
