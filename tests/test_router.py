@@ -245,22 +245,6 @@ def test_a_pod_sent_an_adapter_it_had_on_disk_counts_as_holding_it_in_memory() -
     assert choose("french", view, width=1, epsilon=0.25)[0].name == third
 
 
-def test_a_cold_adapter_stays_in_memory_within_the_slack_a_hot_one_spreads() -> None:
-    view = pods()[:3]
-    first, second, third = rank("cold", [p.name for p in view])
-    by_name = {p.name: p for p in view}
-    by_name[first].residency = {"cold": "host"}
-    by_name[first].others, by_name[second].others, by_name[third].others = 2, 2, 1
-    bound = load_bound(view, 0.25)  # 1.25 x 6 / 3 = 2.5: the home, at 3 with this one, is over
-    assert by_name[first].load + 1 > bound and by_name[first].load + 1 <= bound * 1.25
-    assert choose("cold", view, width=1, epsilon=0.25)[0].name == first  # within the slack: no copy elsewhere
-    by_name[third].residency = {"cold": "device"}  # held in memory on a pod under the bound too: it goes there
-    assert choose("cold", view, width=1, epsilon=0.25)[0].name == third
-    by_name[first].others = 4  # over even the slack (1.25 x 8 / 3 = 3.33, x 1.25): a copy, by the ranking
-    by_name[third].residency = {}
-    assert choose("cold", view, width=1, epsilon=0.25)[0].name == second
-
-
 def test_an_answer_in_full_tells_the_pool_the_pod_holds_the_adapter() -> None:
     router = Router(RouterConfig(pods=("pod-a=http://pod-a:8080",)), httpx.AsyncClient())
     router.pool.pods = {"pod-a": PodView("pod-a", "http://pod-a:8080", {"french": "disk"}, in_flight=2)}

@@ -7,9 +7,8 @@ ranking order (an adapter overflowing its home thus loads on one more pod, not o
 it polls catches up). A spilled adapter's home pods take it least loaded first, holding it or not (that is
 what widening it is for), a pod that would have to load it counted `MISS_COST` requests busier.
 
-A pod is under the bound when one more request keeps it within (1 + epsilon) x the mean; a pod holding the
-adapter in memory, when all such pods are over that, within (1 + epsilon) x the bound. When no pod is under,
-the least loaded come first, so some pod always takes the request. The order past the first pick is where a
+A pod is under the bound when one more request keeps it within (1 + epsilon) x the mean. When no pod is
+under, the least loaded come first, so some pod always takes the request. The order past the first pick is where a
 request goes if the first pod cannot be reached. `Spill` widens a hot adapter's home to the next pods in its
 ranking and narrows it back.
 """
@@ -85,17 +84,12 @@ def choose(
     ranked = pods_by_rank(adapter_id, pods)
     home = {p.name for p in ranked[: max(width, 1)]}
     bound = load_bound(pods, epsilon, floor)
-    in_memory = {p.name for p in pods if p.rank_of(adapter_id) <= 1}
-    # sending the adapter where it is not in memory costs a load; when every pod holding it in memory is over
-    # the bound, those within (1 + epsilon) x the bound still take it (a hot adapter held on several pods
-    # spreads over them instead, and a cold one is not copied to a pod for the sake of one request)
-    slack = bound * (1 + epsilon) if all(p.load + 1 > bound for p in pods if p.name in in_memory) else bound
 
     spilled = width > 1
 
     def key(item: tuple[int, PodView]) -> tuple[bool, int, int, int, int, int, int]:
         position, pod = item
-        if pod.load + 1 > (slack if pod.name in in_memory else bound):  # over: after all under, least loaded first
+        if pod.load + 1 > bound:  # over: after every pod under the bound, the least loaded first
             return (True, pod.load, 0, 0, 0, 0, position)
         held, is_home = pod.holds(adapter_id), pod.name in home
         group = (0 if held or spilled else 2) if is_home else (1 if held else 3)
