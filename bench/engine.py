@@ -19,9 +19,6 @@ Prints one JSON object and writes it to --out; draws bench/out/engine.png when m
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import random
 import statistics
 import time
@@ -30,13 +27,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from common import greedy, hf_static_batch, machine, pyplot, token_pool, write_result  # bench/ is on sys.path
 from transformers import AutoModelForCausalLM
 
-from loraplane_server import cpu_features
 from loraplane_server.config import EngineConfig
 from loraplane_server.engine import LLMEngine
-from loraplane_server.layers import cpu_kernels
-from loraplane_server.sampling_params import SamplingParams
 
 TARGET_THROUGHPUT_RATIO = 3.0  # ours / hf, useful tokens per second
 TARGET_TTFT_RATIO = 0.25  # cached / uncached
@@ -60,22 +55,11 @@ class Workload:
 QUICK = Workload(16, (20, 100), (8, 32), (1, 8), 32, 32, 1000, 16, 2)
 
 
-def token_pool(engine: LLMEngine) -> list[int]:
-    """Every real-vocab token id that is not a special token."""
-    special = set(engine.tokenizer.all_special_ids)
-    vocab = min(len(engine.tokenizer), engine.runner.model.args.vocab_size)
-    return [i for i in range(vocab) if i not in special]
-
-
 def make_requests(pool: list[int], w: Workload) -> tuple[list[list[int]], list[int]]:
     rng = random.Random(w.seed)
     prompts = [rng.choices(pool, k=rng.randint(*w.prompt_lens)) for _ in range(w.num_requests)]
     outputs = [rng.randint(*w.output_lens) for _ in range(w.num_requests)]
     return prompts, outputs
-
-
-def greedy(n: int) -> SamplingParams:
-    return SamplingParams(max_new_tokens=n, ignore_eos=True)
 
 
 def run_ours(engine: LLMEngine, prompts: list[list[int]], outputs: list[int]) -> dict:
@@ -100,36 +84,13 @@ def rates(elapsed: float, generated: int, num_prompt_tokens: int) -> dict:
     }
 
 
-def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(map(len, prompts))
-    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])  # [B, S]
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])  # [B, S]
-    return ids, mask
-
-
-def hf_batch(model: HFModel, prompts: list[list[int]], max_new: int, pad_id: int) -> int:
-    """One static batch to its longest output, never stopping at eos; returns new tokens per row."""
-    ids, mask = left_pad(prompts, pad_id)
-    out = model.generate(
-        input_ids=ids,
-        attention_mask=mask,
-        max_new_tokens=max_new,
-        min_new_tokens=max_new,
-        do_sample=False,
-        eos_token_id=None,
-        pad_token_id=pad_id,
-    )
-    assert isinstance(out, torch.Tensor)  # [B, S + new]
-    return out.shape[1] - ids.shape[1]
-
-
 def run_hf(model: HFModel, prompts: list[list[int]], outputs: list[int], batch: int, pad_id: int) -> dict:
     """Static batches of `batch` requests; useful tokens are each request's own output length."""
     start = time.perf_counter()
     computed = 0
     for i in range(0, len(prompts), batch):
         lens = outputs[i : i + batch]
-        num_new = hf_batch(model, prompts[i : i + batch], max(lens), pad_id)
+        num_new = hf_static_batch(model, prompts[i : i + batch], max(lens), pad_id)
         assert num_new == max(lens), f"hf generated {num_new} tokens, expected {max(lens)}"
         computed += num_new * len(lens)
     elapsed = time.perf_counter() - start
@@ -204,36 +165,16 @@ def measure_ttft(engine: LLMEngine, pool: list[int], w: Workload) -> dict:
     }
 
 
-def machine_info(engine: LLMEngine) -> dict:
-    import transformers
-
-    return {
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "python": platform.python_version(),
-        "dtype": str(engine.dtype).removeprefix("torch."),
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        **cpu_features.record(),
-        "kernel_isa": cpu_kernels.isa(),
-        "load_average": os.getloadavg(),
-    }
-
-
 def warm_up(engine: LLMEngine, model: HFModel, pool: list[int], pad_id: int) -> None:
     """One small run each, so neither side pays first-call costs inside a measurement."""
     prompts = [pool[:24], pool[100:140]]
     engine.generate(prompts, greedy(4))
-    hf_batch(model, prompts, 4, pad_id)
+    hf_static_batch(model, prompts, 4, pad_id)
 
 
 def plot(result: dict, path: Path) -> str | None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return None
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
     tp = result["throughput"]
@@ -293,7 +234,7 @@ def run(w: Workload, attention_backend: str = "auto") -> dict:
         decode = [decode_rate(engine, pool, b, w) for b in w.decode_batches]
         ttft = measure_ttft(engine, pool, w)
     return {
-        "machine": machine_info(engine),
+        "machine": machine(engine.dtype),
         "config": {
             "engine": asdict(config),
             "attention_backend": engine.attention_backend,
@@ -319,10 +260,7 @@ def main() -> None:
     args = parser.parse_args()
     w = QUICK if args.quick else Workload()
     result = run(replace(w, num_requests=args.num_requests) if args.num_requests else w, args.attention_backend)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    result["plot"] = plot(result, args.out.with_suffix(".png"))
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result, indent=2))
+    write_result(result, args.out, plot)
 
 
 if __name__ == "__main__":

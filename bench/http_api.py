@@ -27,7 +27,6 @@ import platform
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,6 +36,7 @@ from pathlib import Path
 
 import httpx
 import torch
+from common import free_port, percentile, pyplot, wait_ready  # bench/ is on sys.path when run as a script
 from safetensors.torch import load_file, save_file
 
 from loraplane_server import cpu_features
@@ -164,12 +164,6 @@ def run_in_process(engine: LLMEngine, reqs: list[Request]) -> tuple[float, list[
 
 
 # HTTP
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_server(args: argparse.Namespace, cfg: EngineConfig, log: Path) -> tuple[subprocess.Popen, str]:
     port = free_port()
     cmd = [sys.executable, "-m", "loraplane_server.cli", "serve", "--port", str(port), "--model", cfg.model,
@@ -180,17 +174,8 @@ def start_server(args: argparse.Namespace, cfg: EngineConfig, log: Path) -> tupl
            "--log-level", "warning"]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, cwd=REPO)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode}: {log.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.25)
-    raise TimeoutError("the server did not become ready")
+    wait_ready(url, proc, log, timeout=600)
+    return proc, url
 
 
 def warm_server(url: str, adapters: list[str]) -> None:
@@ -232,11 +217,6 @@ async def run_http(url: str, reqs: list[Request]) -> tuple[float, list[Timing]]:
 
 
 # report
-def percentile(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, round(q * (len(s) - 1)))] if s else float("nan")
-
-
 def summary(elapsed: float, timings: list[Timing]) -> dict:
     tokens = sum(t.num_tokens for t in timings)
     ttft = [t.ttft for t in timings]
@@ -248,12 +228,8 @@ def summary(elapsed: float, timings: list[Timing]) -> dict:
 
 
 def plot(result: dict, out: Path) -> Path | None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return None
     sides = ["in_process", "http"]
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.6))

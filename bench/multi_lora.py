@@ -35,9 +35,8 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
+import importlib.metadata
 import os
-import platform
 import random
 import shutil
 import statistics
@@ -49,14 +48,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from common import greedy, hf_static_batch, machine, pyplot, token_pool, write_result  # bench/ is on sys.path
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from loraplane_server import cpu_features
 from loraplane_server.config import EngineConfig
 from loraplane_server.engine import LLMEngine
-from loraplane_server.layers import cpu_kernels
-from loraplane_server.sampling_params import SamplingParams
 
 TARGET_SCALING = 1.10  # ours at the most adapters / ours at 1 adapter, latency
 TARGET_LATENCY_VS_PEFT = 0.5  # ours / PEFT, latency, at every count PEFT was measured
@@ -132,17 +129,6 @@ def engine_config(w: Workload, tmp: Path, name: str, kv_cache_bytes: int) -> Eng
         disk_cache_dir=str(tmp / f"dc-{name}"),
         adapter_dir=None,
     )
-
-
-def greedy(n: int) -> SamplingParams:
-    return SamplingParams(max_new_tokens=n, ignore_eos=True)
-
-
-def token_pool(engine: LLMEngine) -> list[int]:
-    """Every real-vocab token id that is not a special token."""
-    special = set(engine.tokenizer.all_special_ids)
-    vocab = min(len(engine.tokenizer), engine.runner.model.args.vocab_size)
-    return [i for i in range(vocab) if i not in special]
 
 
 def device_ids(engine: LLMEngine) -> set[str]:
@@ -338,29 +324,6 @@ def run_ours(engine: LLMEngine, reqs: Requests) -> dict:
     return {**rates(elapsed, generated, sum(map(len, reqs.prompts))), "steps": steps}
 
 
-def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(map(len, prompts))
-    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])  # [B, S]
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])  # [B, S]
-    return ids, mask
-
-
-def peft_batch(model: PeftLM, prompts: list[list[int]], adapters: list[str], max_new: int, pad_id: int) -> int:
-    """One mixed-adapter static batch to its longest output; returns new tokens per row."""
-    ids, mask = left_pad(prompts, pad_id)
-    out = model.generate(
-        input_ids=ids,
-        attention_mask=mask,
-        adapter_names=adapters,
-        max_new_tokens=max_new,
-        min_new_tokens=max_new,
-        do_sample=False,
-        eos_token_id=None,
-        pad_token_id=pad_id,
-    )
-    return out.shape[1] - ids.shape[1]
-
-
 def run_peft(model: PeftLM, reqs: Requests, batch: int, pad_id: int) -> dict:
     """Static batches of `batch` requests; useful tokens are each request's own output length."""
     computed, seconds = 0, []
@@ -368,7 +331,7 @@ def run_peft(model: PeftLM, reqs: Requests, batch: int, pad_id: int) -> dict:
         lens = reqs.outputs[i : i + batch]
         names = [a or "__base__" for a in reqs.adapters[i : i + batch]]
         start = time.perf_counter()
-        num_new = peft_batch(model, reqs.prompts[i : i + batch], names, max(lens), pad_id)
+        num_new = hf_static_batch(model, reqs.prompts[i : i + batch], max(lens), pad_id, adapter_names=names)
         seconds.append(time.perf_counter() - start)
         assert num_new == max(lens), f"PEFT generated {num_new} tokens, expected {max(lens)}"
         computed += num_new * len(lens)
@@ -404,7 +367,7 @@ def measure_peft_throughput(engine: LLMEngine, w: Workload, paths: list[Path]) -
     model, seconds = load_peft(engine.model_dir, engine.dtype, paths[: w.num_adapters])
     pad_id = pad_token(engine)
     reqs = make_requests(token_pool(engine), w, "lora-0")
-    peft_batch(model, reqs.prompts[:2], [adapter_id(0), adapter_id(1)], 4, pad_id)  # warm-up
+    hf_static_batch(model, reqs.prompts[:2], 4, pad_id, adapter_names=[adapter_id(0), adapter_id(1)])  # warm-up
     result = run_peft(model, reqs, w.batch, pad_id)
     result["load_seconds"] = round(seconds, 2)
     first = Requests(reqs.prompts[: w.batch], reqs.outputs[: w.batch], [None] * min(w.batch, len(reqs.prompts)))
@@ -523,31 +486,9 @@ def targets(latency: dict, vs_peft: dict, vs_base: dict) -> dict:
     }
 
 
-def machine_info(dtype: torch.dtype) -> dict:
-    import peft
-    import transformers
-
-    return {
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "peft": peft.__version__,
-        "python": platform.python_version(),
-        "dtype": str(dtype).removeprefix("torch."),
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
-        **cpu_features.record(),
-        "kernel_isa": cpu_kernels.isa(),
-    }
-
-
 def plot(result: dict, path: Path) -> str | None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return None
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
     rows = result["latency"]["rows"]
@@ -586,7 +527,11 @@ def run(w: Workload, tmp: Path) -> dict:
     gc.collect()
     vs_peft, vs_base, engine = measure_throughput(w, tmp, paths)
     result = {
-        "machine": {**machine_info(engine.dtype), "load_average": {"start": load_start, "end": os.getloadavg()}},
+        "machine": machine(
+            engine.dtype,
+            peft=importlib.metadata.version("peft"),
+            load_average={"start": load_start, "end": os.getloadavg()},
+        ),
         "config": {"workload": asdict(w), "engine": asdict(engine.config), "adapter_make_seconds": round(make_seconds)},
         "latency": latency,
         "throughput_vs_peft": vs_peft,
@@ -612,10 +557,7 @@ def main() -> None:
     w = replace(w, peft_max_adapters=args.peft_max_adapters or w.peft_max_adapters, repeats=args.repeats or w.repeats)
     with tempfile.TemporaryDirectory(prefix="multi-lora-") as tmp:
         result = run(w, Path(tmp))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    result["plot"] = plot(result, args.out.with_suffix(".png"))
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result, indent=2))
+    write_result(result, args.out, plot)
 
 
 if __name__ == "__main__":

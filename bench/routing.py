@@ -26,7 +26,8 @@ import time
 from pathlib import Path
 
 import httpx
-from http_api import free_port, make_adapters  # bench/ is on sys.path when run as a script
+from common import free_port, pyplot, wait_ready  # bench/ is on sys.path when run as a script
+from http_api import make_adapters
 
 from loraplane_server import cpu_features
 from loraplane_server.builtin import resolve_model
@@ -39,20 +40,6 @@ WORDS = "the a of river stone light morning city music quiet green open story tr
 def start(cmd: list[str], log: Path) -> subprocess.Popen:
     env = {**os.environ, "LORAPLANE_ADMIN_TOKEN": TOKEN}
     return subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, cwd=REPO, env=env)
-
-
-def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 900.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{url} exited with {proc.returncode}")
-        try:
-            if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.25)
-    raise TimeoutError(url)
 
 
 def scrape(url: str) -> dict[str, float]:
@@ -163,12 +150,8 @@ def run_mode(mode: str, adapters_dir: Path, jobs: list[tuple[str, str]], args: a
 
 
 def plot(result: dict, path: Path) -> str | None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return None
     modes = ["round_robin", "router"]
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.6))

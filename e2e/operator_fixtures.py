@@ -87,6 +87,13 @@ class OperatorProcess:
         return "\n".join(self.log().splitlines()[-num_lines:])
 
 
+def install_crds(kubectl: Kubectl) -> None:
+    """The project's CRDs (crds/*.yaml; samples/ is a subdirectory, not applied), once they are Established."""
+    kubectl("apply", "-f", str(CRD_DIR))
+    for crd in ("basemodelservers.loraplane.dev", "loraadapters.loraplane.dev"):
+        kubectl("wait", "--for=condition=Established", f"crd/{crd}", "--timeout=60s")
+
+
 def install_operator_rbac(kubectl: Kubectl, cluster: LocalCluster) -> Path:
     """ServiceAccount + the chart's ClusterRole (loraplane_operator.rbac) + binding; the account's kubeconfig."""
     from loraplane_operator.rbac import cluster_role

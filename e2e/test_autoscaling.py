@@ -22,10 +22,10 @@ from e2e.cluster import FRONT_PROXY_CLIENT, HPA_SYNC_PERIOD, REPO_ROOT, LocalClu
 from e2e.custom_metrics import GROUP, GROUP_VERSION, METRIC, VERSION, registration_manifests
 from e2e.kubectl import Kubectl, KubectlError, wait_until
 from e2e.operator_fixtures import (
-    CRD_DIR,
     SERVER_LABEL,
     OperatorProcess,
     diagnostics,
+    install_crds,
     install_operator_rbac,
     is_ready,
     local_server_sample,
@@ -139,9 +139,7 @@ class Env:
 def env(
     kubectl: Kubectl, cluster: LocalCluster, metrics_log: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Env]:
-    kubectl("apply", "-f", str(CRD_DIR))
-    for crd in ("basemodelservers.loraplane.dev", "loraadapters.loraplane.dev"):
-        kubectl("wait", "--for=condition=Established", f"crd/{crd}", "--timeout=60s")
+    install_crds(kubectl)
     kubeconfig = install_operator_rbac(kubectl, cluster)
     work = Path(tmp_path_factory.mktemp("autoscaling"))
     operator = OperatorProcess(kubeconfig, work / "operator.log")

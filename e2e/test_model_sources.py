@@ -24,11 +24,11 @@ from e2e.api import ApiClient
 from e2e.cluster import LocalCluster
 from e2e.kubectl import Kubectl, wait_until
 from e2e.operator_fixtures import (
-    CRD_DIR,
     OperatorProcess,
     builtin_model_dir,
     complete_ids,
     diagnostics,
+    install_crds,
     install_operator_rbac,
     local_adapter_sample,
     pod_url,
@@ -166,9 +166,7 @@ class Env:
 
 @pytest.fixture(scope="module")
 def env(kubectl: Kubectl, cluster: LocalCluster, minio: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
-    kubectl("apply", "-f", str(CRD_DIR))
-    for crd in ("basemodelservers.loraplane.dev", "loraadapters.loraplane.dev"):
-        kubectl("wait", "--for=condition=Established", f"crd/{crd}", "--timeout=60s")
+    install_crds(kubectl)
     model_dir = builtin_model_dir()
     minio.upload_dir(model_dir, BUCKET, PREFIX)
     model_bytes = sum(p.stat().st_size for p in model_dir.iterdir() if p.is_file())

@@ -20,7 +20,6 @@ from e2e.cluster import LocalCluster
 from e2e.kubectl import Kubectl, KubectlError, wait_until
 from e2e.operator_fixtures import (
     ADAPTER_NAMES,
-    CRD_DIR,
     FINALIZER,
     SERVER_LABEL,
     OperatorProcess,
@@ -29,6 +28,7 @@ from e2e.operator_fixtures import (
     complete_ids,
     diagnostics,
     http_status,
+    install_crds,
     install_operator_rbac,
     is_ready,
     list_adapters,
@@ -81,9 +81,7 @@ class Env:
 
 @pytest.fixture(scope="module")
 def env(kubectl: Kubectl, cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
-    kubectl("apply", "-f", str(CRD_DIR))  # the CRDs (samples/ is a subdirectory: not applied here)
-    for crd in ("basemodelservers.loraplane.dev", "loraadapters.loraplane.dev"):
-        kubectl("wait", "--for=condition=Established", f"crd/{crd}", "--timeout=60s")
+    install_crds(kubectl)
     kubeconfig = install_operator_rbac(kubectl, cluster)
     log_dir = Path(tmp_path_factory.mktemp("operator"))
     adapters_dir = snapshot_adapters(log_dir / "adapters")

@@ -20,12 +20,12 @@ import pytest
 from e2e.cluster import LocalCluster
 from e2e.kubectl import Kubectl, KubectlError, wait_until
 from e2e.operator_fixtures import (
-    CRD_DIR,
     OperatorProcess,
     adapter_manifest,
     adapter_rows,
     complete,
     diagnostics,
+    install_crds,
     install_operator_rbac,
     local_server_sample,
     ready_server_pods,
@@ -66,9 +66,7 @@ class Env:
 
 @pytest.fixture(scope="module")
 def env(kubectl: Kubectl, cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
-    kubectl("apply", "-f", str(CRD_DIR))
-    for crd in ("basemodelservers.loraplane.dev", "loraadapters.loraplane.dev"):
-        kubectl("wait", "--for=condition=Established", f"crd/{crd}", "--timeout=60s")
+    install_crds(kubectl)
     kubeconfig = install_operator_rbac(kubectl, cluster)
     work = Path(tmp_path_factory.mktemp("residency"))
     adapters_dir = snapshot_adapters(work / "adapters")
