@@ -1,4 +1,4 @@
-"""The model cache (model_store.py) with real parts: a MinIO server for s3://, a loopback Hub (hf_hub_server.py)
+"""The model cache (model_store/) with real parts: a MinIO server for s3://, a loopback Hub (hf_hub_server.py)
 driven by the real huggingface_hub client for hf://, child processes killed halfway or racing on one cache."""
 
 from __future__ import annotations
@@ -27,6 +27,10 @@ from loraplane_server.engine import LLMEngine
 from loraplane_server.http import state as http_state
 from loraplane_server.http.server_config import ServerConfig
 from loraplane_server.model_store import MANIFEST, Progress, resolve, verify
+from loraplane_server.model_store import entry as store_entry
+from loraplane_server.model_store import hf as store_hf
+from loraplane_server.model_store import resolver as store_resolver
+from loraplane_server.model_store import s3 as store_s3
 from loraplane_server.sampling_params import SamplingParams
 from loraplane_server.sources import ModelSourceError, hf_reason, parse_source
 
@@ -322,7 +326,7 @@ def test_s3_killed_after_verifying_keeps_every_file(
 ) -> None:
     s3_env.upload_dir(tiny_model, "models", "window")
     cache, synced = tmp_path / "cache", []
-    real_replace, real_fsync = os.replace, getattr(model_store, "_fsync", None)
+    real_replace, real_fsync = os.replace, getattr(store_s3, "_fsync", None)
 
     def replace(src: str | Path, dst: str | Path) -> None:
         if str(src).endswith(".partial"):
@@ -330,8 +334,8 @@ def test_s3_killed_after_verifying_keeps_every_file(
         real_replace(src, dst)
 
     with monkeypatch.context() as patch:
-        patch.setattr(model_store.os, "replace", replace)
-        patch.setattr(model_store, "_fsync", lambda path: synced.append(path.name) or real_fsync(path), raising=False)
+        patch.setattr(store_s3.os, "replace", replace)
+        patch.setattr(store_s3, "_fsync", lambda path: synced.append(path.name) or real_fsync(path), raising=False)
         with pytest.raises(Killed):
             resolve("s3://models/window", cache)
     gets, progress = s3_env.get_object_count(), Progress("s3://models/window")
@@ -359,23 +363,23 @@ def test_s3_store_that_ignores_range_restarts_the_file(
     s3_env: MinioServer, big_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     s3_env.upload_dir(big_model, "models", "norange")
-    cache, real_copy = tmp_path / "cache", model_store._copy_body
+    cache, real_copy = tmp_path / "cache", store_s3._copy_body
 
     def copy_one_chunk(body, out, progress) -> None:  # noqa: ANN001
         if not out.name.endswith("model.safetensors.part"):
             return real_copy(body, out, progress)
-        out.write(body.read(model_store._CHUNK))
+        out.write(body.read(store_s3._CHUNK))
         out.flush()
         raise Killed
 
     with monkeypatch.context() as patch:
-        patch.setattr(model_store, "_copy_body", copy_one_chunk)
+        patch.setattr(store_s3, "_copy_body", copy_one_chunk)
         with pytest.raises(Killed):
             resolve("s3://models/norange", cache)
     part = cache / "s3" / "models" / "norange.partial" / "model.safetensors.part"
-    assert part.stat().st_size == model_store._CHUNK
-    real_client = model_store.s3_client
-    monkeypatch.setattr(model_store, "s3_client", lambda *args: RangeIgnored(real_client(*args)))
+    assert part.stat().st_size == store_s3._CHUNK
+    real_client = store_s3.s3_client
+    monkeypatch.setattr(store_s3, "s3_client", lambda *args: RangeIgnored(real_client(*args)))
     progress = Progress("s3://models/norange")
     entry = resolve("s3://models/norange", cache, progress=progress)
     shard_bytes = (big_model / "model.safetensors").read_bytes()
@@ -599,7 +603,7 @@ def test_converted_entry_damaged_is_converted_again(
             (tmp / p.name).write_bytes(p.read_bytes())
         os.replace(tmp, out)
 
-    monkeypatch.setattr(model_store, "convert_gguf", convert)
+    monkeypatch.setattr(store_resolver, "convert_gguf", convert)
     cache = tmp_path / "cache"
     out = resolve(str(gguf), cache)
     assert resolve(str(gguf), cache) == out and len(conversions) == 1  # converted once
@@ -629,7 +633,8 @@ def verified_under_lock(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
             held.append(False)
         real_verify(path, progress)
 
-    monkeypatch.setattr(model_store, "verify", verify_locked)
+    for module in (store_entry, store_resolver, store_hf, store_s3):  # each looks verify up itself
+        monkeypatch.setattr(module, "verify", verify_locked)
     return held
 
 
@@ -639,7 +644,7 @@ def test_cached_entries_are_verified_under_their_lock(
     out = tmp_path / "cache" / "gguf" / "x"
     shutil.copytree(tiny_model, out)
     held = verified_under_lock(monkeypatch)
-    assert model_store._convert_once("x", lambda: tmp_path, out, Progress("x")) == out and held == [True]
+    assert store_resolver._convert_once("x", lambda: tmp_path, out, Progress("x")) == out and held == [True]
     s3_env.upload_dir(tiny_model, "models", "locked")
     resolve("s3://models/locked", tmp_path / "cache")  # verified as .partial, under the lock
     resolve("s3://models/locked", tmp_path / "cache")  # verified as the cached entry

@@ -18,8 +18,9 @@ import numpy as np
 import pytest
 from safetensors.numpy import save
 
-from loraplane_server import sources
 from loraplane_server.sources import AdapterSource, AdapterSourceError, fetch, is_allowed, parse_source
+from loraplane_server.sources import archive as sources_archive
+from loraplane_server.sources import s3 as sources_s3
 
 CONFIG = json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}).encode()
 WEIGHTS = save({"base_model.model.layers.0.self_attn.q_proj.lora_A.weight": np.ones((4, 8), np.float32)})
@@ -314,14 +315,14 @@ def s3_bucket(s3_endpoint, monkeypatch) -> str:
 def test_fetch_s3(s3_bucket, tmp_path, monkeypatch):
     """One listing gives the files and their sizes: no HEAD per file, no head_bucket."""
     calls: list[str] = []
-    real_client = sources.s3_client
+    real_client = sources_s3.s3_client
 
     def counted_client(*args, **kwargs):
         client = real_client(*args, **kwargs)
         client.meta.events.register("before-call.s3", lambda model, **_: calls.append(model.name))
         return client
 
-    monkeypatch.setattr(sources, "s3_client", counted_client)
+    monkeypatch.setattr(sources_s3, "s3_client", counted_client)
     assert_good(fetch(parse_source(f"s3://{s3_bucket}/team/a/"), tmp_path / "d1"), readme=True)
     assert calls == ["ListObjectsV2"] + ["GetObject"] * 3
     assert_good(fetch(parse_source(f"s3://{s3_bucket}"), tmp_path / "d2"))
@@ -561,10 +562,10 @@ def test_fetch_http_hostile(http_base, sandbox, name, match):
 
 
 def test_fetch_http_member_limit(http_base, sandbox, monkeypatch):
-    monkeypatch.setattr(sources, "MAX_ARCHIVE_MEMBERS", 10)
+    monkeypatch.setattr(sources_archive, "MAX_ARCHIVE_MEMBERS", 10)
     with pytest.raises(AdapterSourceError, match="more than 10 members"):
         fetch(parse_source(f"{http_base}/many.tar.gz"), sandbox / "dest")
-    monkeypatch.setattr(sources, "MAX_ARCHIVE_MEMBERS", 100)
+    monkeypatch.setattr(sources_archive, "MAX_ARCHIVE_MEMBERS", 100)
     assert_good(fetch(parse_source(f"{http_base}/many.tar.gz"), sandbox / "dest"))
 
 

@@ -20,9 +20,10 @@ import pytest
 from test_http_support import ADMIN_TOKEN, REPO, ServerProcess, admin_headers
 from test_sources import GOOD_MEMBERS, assert_good, tar_bytes
 
-from loraplane_server import sources
 from loraplane_server.lora.disk_cache import DiskCache
 from loraplane_server.sources import MAX_REDIRECTS, AdapterSourceError, fetch, parse_source
+from loraplane_server.sources.archive import extract_adapter
+from loraplane_server.sources.budget import Budget
 
 BOMB_BYTES = 200_000_000  # one member of zeros, about 200 KB once gzipped
 STREAM_BYTES = 64 << 20  # what the endless bodies would send if read to the end
@@ -231,7 +232,7 @@ def test_a_gzip_header_bomb_is_refused_without_writing(tmp_path: Path) -> None:
     archive.write_bytes(buf.getvalue())
     before = bytes_written()
     with pytest.raises(AdapterSourceError, match=r"\(unpacked\) is larger than"):
-        sources._extract_adapter(archive, tmp_path / "dest", sources._Budget(1_000_000), "bomb")
+        extract_adapter(archive, tmp_path / "dest", Budget(1_000_000), "bomb")
     assert bytes_written() - before < 1_000_000  # before: 21 MB of it went into a plain tar on disk
     assert [p.name for p in (tmp_path / "dest").iterdir()] == [".download.tar.gz"]
 

@@ -2,7 +2,7 @@
 found in its package, and any GGUF file dequantized into a safetensors model directory.
 
 Converted once (transformers' GGUF loader dequantizes) and cached as a Hugging Face safetensors
-directory in the model cache (model_store.py), so every later start is a plain safetensors load.
+directory in the model cache (model_store/), so every later start is a plain safetensors load.
 """
 
 from __future__ import annotations
