@@ -30,6 +30,7 @@ import torch
 from common import greedy, hf_static_batch, machine, pyplot, token_pool, write_result  # bench/ is on sys.path
 from transformers import AutoModelForCausalLM
 
+from loraplane_server.attention import TorchAttention
 from loraplane_server.config import EngineConfig
 from loraplane_server.engine import LLMEngine
 
@@ -69,7 +70,7 @@ def run_ours(engine: LLMEngine, prompts: list[list[int]], outputs: list[int]) ->
         engine.add_request(prompt, greedy(n))
     generated = 0
     while engine.has_unfinished:
-        generated += sum(len(o.new_token_ids) for o in engine.step())
+        generated += sum(len(o.delta_token_ids) for o in engine.step())
     elapsed = time.perf_counter() - start
     assert generated == sum(outputs), f"generated {generated}, expected {sum(outputs)}"
     return rates(elapsed, generated, sum(map(len, prompts)))
@@ -120,8 +121,8 @@ def decode_rate(engine: LLMEngine, pool: list[int], batch: int, w: Workload) -> 
         outs = engine.step()
         if is_decoding:
             elapsed += time.perf_counter() - t0
-            tokens += sum(len(o.new_token_ids) for o in outs)
-        started |= {o.request_id for o in outs if o.token_ids}
+            tokens += sum(len(o.delta_token_ids) for o in outs)
+        started |= {o.request_id for o in outs if o.delta_token_ids}
     return {
         "batch": batch,
         "decode_tokens": tokens,
@@ -136,7 +137,7 @@ def ttft_once(engine: LLMEngine, prompt: list[int]) -> tuple[float, int]:
     rid = engine.add_request(prompt, greedy(1))
     while True:
         for out in engine.step():
-            if out.request_id == rid and out.token_ids:
+            if out.request_id == rid and out.delta_token_ids:
                 elapsed = time.perf_counter() - start
                 while engine.has_unfinished:
                     engine.step()
@@ -201,12 +202,14 @@ def measure_throughput(engine: LLMEngine, pool: list[int], w: Workload) -> dict:
     ours = run_ours(engine, prompts, outputs)
     result = {"ours": ours}
     if engine.attention_backend != "torch":  # the same engine on its torch attention path (gather + SDPA)
-        backend, engine.runner.decode_attention = engine.runner.decode_attention, "torch"
+        kernel = engine.runner.backends
+        torch_attention = TorchAttention(kernel.attention.kernel_kv_write)
+        engine.runner.use_backends(replace(kernel, attention=torch_attention))
         # same lengths, other tokens: nothing may hit the prefix cache the first run filled
         where = {t: i for i, t in enumerate(pool)}
         fresh = [[pool[(where[t] * 7 + 13) % len(pool)] for t in p] for p in prompts]
         result["ours_torch_attention"] = run_ours(engine, fresh, outputs)
-        engine.runner.decode_attention = backend
+        engine.runner.use_backends(kernel)
         speedup = ours["tokens_per_s"] / result["ours_torch_attention"]["tokens_per_s"]
         result["ratio_kernel_over_torch_attention"] = round(speedup, 3)
     hf = run_hf(model, prompts, outputs, engine.config.max_num_seqs, pad_id)

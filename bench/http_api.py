@@ -153,7 +153,7 @@ def run_in_process(engine: LLMEngine, reqs: list[Request]) -> tuple[float, list[
         now = time.perf_counter()
         for out in outs:
             assert out.error is None, out.error
-            if not out.new_token_ids:
+            if not out.delta_token_ids:
                 continue
             t = timings.setdefault(out.request_id, Timing(now - start, [], 0))
             if out.request_id in last:

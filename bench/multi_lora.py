@@ -317,7 +317,7 @@ def run_ours(engine: LLMEngine, reqs: Requests) -> dict:
     while engine.has_unfinished:
         outs = engine.step()
         assert all(o.error is None for o in outs), [o.error for o in outs if o.error]
-        generated += sum(len(o.new_token_ids) for o in outs)
+        generated += sum(len(o.delta_token_ids) for o in outs)
         steps += 1
     elapsed = time.perf_counter() - start
     assert generated == sum(reqs.outputs), f"generated {generated}, expected {sum(reqs.outputs)}"

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from test_adapters import GOOD, new_engine, run_all
+from engine_helpers import run_all
+from test_adapters import GOOD, new_engine
 from test_http_support import ADMIN_TOKEN, ServerProcess, admin_headers, engine_state, make_adapter_set
 
 from lora_helpers import make_peft_adapter

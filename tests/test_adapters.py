@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import json
 import shutil
-import time
 from pathlib import Path
 
 import pytest
 import torch
+from engine_helpers import make_engine, run_all
 from safetensors.torch import load_file, save_file
 
 from lora_helpers import make_peft_adapter, peft_greedy
-from loraplane_server.config import EngineConfig
 from loraplane_server.engine import LLMEngine, RequestOutput
 from loraplane_server.sampling_params import SamplingParams
 
@@ -24,32 +23,9 @@ def good_adapter(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory)
     return make_peft_adapter(tiny_llama_dir, tmp_path_factory.mktemp("good") / "good", seed=5, **GOOD)
 
 
-def new_engine(model_dir: Path, tmp: Path, **kw) -> LLMEngine:
-    cfg = dict(
-        model=str(model_dir),
-        dtype="float32",
-        block_size=4,
-        num_kv_blocks=256,
-        max_num_batched_tokens=64,
-        max_lora_rank=16,
-        disk_cache_dir=str(tmp / "disk-cache"),
-    )
-    return LLMEngine(EngineConfig(**{**cfg, **kw}))
-
-
-def run_all(engine: LLMEngine, timeout_s: float = 300) -> dict[str, RequestOutput]:
-    """Step until no request is left and no adapter load is in flight."""
-    done: dict[str, RequestOutput] = {}
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if not engine.has_unfinished and not any(engine.adapters.is_loading(a) for a in engine.adapters.records):
-            engine.poll_adapters()
-            return done
-        outputs = engine.step()
-        done.update((o.request_id, o) for o in outputs if o.finished)
-        if not outputs and engine.last_step_tokens == 0:
-            time.sleep(0.002)
-    raise AssertionError("did not finish")
+def new_engine(model_dir: Path, tmp: Path, **kw: object) -> LLMEngine:
+    defaults = dict(block_size=4, num_kv_blocks=256, max_num_batched_tokens=64, max_lora_rank=16)
+    return make_engine(model_dir, **{**defaults, "disk_cache_dir": str(tmp / "disk-cache"), **kw})
 
 
 def corrupt(kind: str, src: Path, dst: Path) -> Path:

@@ -6,16 +6,16 @@ import asyncio
 from pathlib import Path
 
 import pytest
+from engine_helpers import make_engine
 
 from loraplane_server.async_engine import AsyncEngine
-from loraplane_server.config import EngineConfig
 from loraplane_server.engine import LLMEngine
 from loraplane_server.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")
 def engine(smollm2_dir: Path) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=str(smollm2_dir), dtype="float32", num_kv_blocks=256, max_model_len=512))
+    return make_engine(smollm2_dir, num_kv_blocks=256, max_model_len=512)
 
 
 @pytest.fixture(autouse=True)
@@ -61,6 +61,30 @@ def test_stop_string_and_stop_token(engine: LLMEngine) -> None:
     assert by_id.token_ids == greedy.token_ids[: first + 1] and by_id.finish_reason == "stop"
 
 
+def test_streamed_deltas_add_up_to_the_final_output(engine: LLMEngine) -> None:
+    prompt = "Caf\u00e9 in Tokyo \u6771\u4eac: list three drinks, one per line."
+    greedy = engine.generate([prompt], SamplingParams(max_new_tokens=24, ignore_eos=True))[0].text
+    lines = greedy.split("\n")
+    stop = next((line[1:4] for line in lines[1:] if len(line) > 4), greedy[len(greedy) // 2 : len(greedy) // 2 + 3])
+    for params in (
+        SamplingParams(max_new_tokens=24, ignore_eos=True, logprobs=True),
+        SamplingParams(max_new_tokens=24, ignore_eos=True, stop=[stop]),  # cut part-way, as greedy.find(stop)
+        SamplingParams(max_new_tokens=24, ignore_eos=True, stop=[greedy[:2]]),  # right at the start
+    ):
+        rid = engine.add_request(prompt, params)
+        text, ids, logprobs = "", [], []
+        while engine.has_unfinished:
+            for out in engine.step():
+                text += out.delta_text
+                ids += out.delta_token_ids
+                logprobs += out.delta_logprobs
+                assert out.finished or (not out.text and not out.token_ids)  # the whole output only at the end
+        assert out.request_id == rid and out.finished
+        assert (text, ids, logprobs) == (out.text, out.token_ids, out.logprobs)
+        assert out.text == (greedy if not params.stop else greedy[: greedy.find(params.stop[0])])
+        assert len(out.logprobs) == (24 if params.logprobs else 0)
+
+
 def test_max_new_tokens_and_logprobs(engine: LLMEngine) -> None:
     out = engine.generate(["Count: one, two,"], SamplingParams(max_new_tokens=7, ignore_eos=True, logprobs=True))[0]
     assert len(out.token_ids) == 7 and out.finish_reason == "length"
@@ -79,12 +103,15 @@ def test_abort_frees_blocks(engine: LLMEngine) -> None:
     assert engine.block_manager.num_free_blocks < engine.block_manager.num_blocks
     assert engine.abort(ids[0]) and engine.abort(ids[1])
     assert not engine.abort(ids[0])
+    num_generated = 0  # ids[2]'s tokens so far
     while engine.has_unfinished:
         for out in engine.step():
             if out.finished:
                 finished[out.request_id] = out.finish_reason
-            if out.request_id == ids[2] and len(out.token_ids) == 5:
-                engine.abort(ids[2])
+            if out.request_id == ids[2]:
+                num_generated += len(out.delta_token_ids)
+                if num_generated == 5:
+                    engine.abort(ids[2])
     assert finished[ids[0]] == finished[ids[1]] == finished[ids[2]] == finished[waiting] == "abort"
     assert finished[ids[3]] == "length"
 
@@ -113,7 +140,7 @@ def test_async_streams_and_cancel(engine: LLMEngine) -> None:
 
     async def stream(prompt: str, n: int) -> list[list[int]]:
         return [
-            o.new_token_ids async for o in front.generate(prompt, SamplingParams(max_new_tokens=n, ignore_eos=True))
+            o.delta_token_ids async for o in front.generate(prompt, SamplingParams(max_new_tokens=n, ignore_eos=True))
         ]
 
     async def cancel_after(k: int) -> int:

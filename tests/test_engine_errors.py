@@ -5,17 +5,16 @@ from __future__ import annotations
 
 import ast
 import asyncio
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
 import pytest
+from engine_helpers import make_engine, run_all
 
 from loraplane_server import errors as engine_errors
 from loraplane_server.async_engine import AsyncEngine
-from loraplane_server.config import EngineConfig
-from loraplane_server.engine import LLMEngine, RequestOutput
+from loraplane_server.engine import LLMEngine
 from loraplane_server.errors import (
     AdapterError,
     AdapterInUseError,
@@ -48,32 +47,19 @@ E = TypeVar("E", bound=BaseException)
 
 def tiny_engine(model_dir: Path, tmp: Path) -> LLMEngine:
     # 4 blocks of 8 tokens: a request asking for more than 32 tokens in all does not fit the KV cache
-    config = EngineConfig(
-        model=str(model_dir),
-        dtype="float32",
+    return make_engine(
+        model_dir,
         block_size=8,
         num_kv_blocks=4,
         max_model_len=MAX_MODEL_LEN,
         max_loras=2,
         disk_cache_dir=str(tmp / "disk-cache"),
     )
-    return LLMEngine(config)
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> LLMEngine:
     return tiny_engine(tiny_llama_dir, tmp_path_factory.mktemp("engine-errors"))
-
-
-def run_all(engine: LLMEngine, timeout_s: float = 60) -> dict[str, RequestOutput]:
-    done: dict[str, RequestOutput] = {}
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if not engine.has_unfinished and not any(engine.adapters.is_loading(a) for a in engine.adapters.records):
-            return done
-        done.update((o.request_id, o) for o in engine.step() if o.finished)
-        time.sleep(0.002)
-    raise AssertionError("did not finish")
 
 
 def exactly(kind: type[E], error: BaseException | None) -> E:

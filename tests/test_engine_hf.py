@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from engine_helpers import make_engine
 
-from loraplane_server.config import EngineConfig
 from loraplane_server.engine import LLMEngine
 from loraplane_server.layers.triton_attention import triton_available
 from loraplane_server.sampling_params import SamplingParams
@@ -69,16 +69,13 @@ def test_tiny_models_match_hf(
     prompts = make_prompts(512, seed=7)
     max_new = [20, 5, 40, 12, 30, 25, 9, 16, 18, 22, 11, 14]
     join = [0, 0, 1, 2, 2, 5, 6, 9, 12, 13, 20, 30]
-    engine = LLMEngine(
-        EngineConfig(
-            model=str(model_dir),
-            dtype="float32",
-            block_size=4,
-            num_kv_blocks=num_blocks,
-            max_num_batched_tokens=48,
-            max_num_seqs=6,
-            attention_backend=attention,
-        )
+    engine = make_engine(
+        model_dir,
+        block_size=4,
+        num_kv_blocks=num_blocks,
+        max_num_batched_tokens=48,
+        max_num_seqs=6,
+        attention_backend=attention,
     )
     assert engine.attention_backend == attention
     free0 = engine.block_manager.num_free_blocks
@@ -95,16 +92,14 @@ def test_triton_decode_attention_matches_hf(tiny_qwen2_dir: Path) -> None:
     """The CUDA decode-attention kernel, run by the Triton interpreter on CPU tensors, inside the engine."""
     prompts = make_prompts(512, seed=11)[:6]
     max_new, join = [12, 5, 9, 7, 10, 6], [0, 0, 1, 3, 4, 6]
-    config = EngineConfig(
-        model=str(tiny_qwen2_dir),
-        dtype="float32",
+    engine = make_engine(
+        tiny_qwen2_dir,
         block_size=4,
         num_kv_blocks=40,
         max_num_batched_tokens=48,
         max_num_seqs=4,
         attention_backend="triton",
     )
-    engine = LLMEngine(config)
     assert engine.attention_backend == "triton"
     free0 = engine.block_manager.num_free_blocks
     assert run_staggered(engine, prompts, max_new, join) == hf_greedy(tiny_qwen2_dir, prompts, max_new)
@@ -113,15 +108,12 @@ def test_triton_decode_attention_matches_hf(tiny_qwen2_dir: Path) -> None:
 
 @pytest.mark.slow
 def test_smollm2_matches_hf(smollm2_dir: Path) -> None:
-    engine = LLMEngine(
-        EngineConfig(
-            model=str(smollm2_dir),
-            dtype="float32",
-            block_size=16,
-            num_kv_blocks=10,
-            max_num_batched_tokens=96,
-            max_num_seqs=8,
-        )
+    engine = make_engine(
+        smollm2_dir,
+        block_size=16,
+        num_kv_blocks=10,
+        max_num_batched_tokens=96,
+        max_num_seqs=8,
     )
     assert engine.attention_backend == "cpu_kernel"  # auto on this CPU; the torch path is covered above
     tok = engine.tokenizer

@@ -16,12 +16,12 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from engine_helpers import drain, make_engine
 from safetensors.torch import load_file, save_file
 from test_http_support import ADMIN_TOKEN, ServerProcess, admin_headers
 
 from lora_helpers import make_peft_adapter
-from loraplane_server.config import EngineConfig
-from loraplane_server.engine import LLMEngine, RequestOutput
+from loraplane_server.engine import LLMEngine
 from loraplane_server.layers.linear import ProjectionLinear
 from loraplane_server.lora.backends import CPUKernelBackend, LoRABackend, TorchBackend, TritonBackend
 from loraplane_server.lora.slots import LoRASlots
@@ -241,10 +241,9 @@ def test_a_poisoned_slot_never_reaches_other_rows(
 
 def tiny_engine(model_dir: Path, adapter_dir: Path) -> LLMEngine:
     """A float32 engine on the torch paths (LoRA grouped decode, gather + SDPA decode attention)."""
-    config = EngineConfig(
-        model=str(model_dir),
+    return make_engine(
+        model_dir,
         adapter_dir=str(adapter_dir),
-        dtype="float32",
         max_loras=4,
         max_lora_rank=8,
         num_kv_blocks=64,
@@ -253,15 +252,6 @@ def tiny_engine(model_dir: Path, adapter_dir: Path) -> LLMEngine:
         lora_backend="torch",
         disk_cache_dir=str(adapter_dir.parent / "disk-cache"),
     )
-    return LLMEngine(config)
-
-
-def drain(engine: LLMEngine, steps: int | None = None) -> dict[str, RequestOutput]:
-    done: dict[str, RequestOutput] = {}
-    while engine.has_unfinished and (steps is None or steps > 0):
-        steps = None if steps is None else steps - 1
-        done.update((out.request_id, out) for out in engine.step() if out.finished)
-    return done
 
 
 @pytest.mark.parametrize("when", ["prefill", "decode"])

@@ -25,8 +25,8 @@ from test_http_support import ADMIN_TOKEN, ServerProcess, free_port
 
 from loraplane_server.config import EngineConfig
 from loraplane_server.http.app import create_app
+from loraplane_server.http.generation import SSEResponse, sse
 from loraplane_server.http.server_config import ServerConfig
-from loraplane_server.http.sse import SSEResponse, sse
 
 MODEL = "smollm2-135m"
 PROMPT = "The capital of France is"

@@ -1,4 +1,4 @@
-"""The HTTP layer's plain parts, without a server: streamed text deltas, bounded usage labels,
+"""The HTTP layer's plain parts, without a server: bounded usage labels,
 admission and draining, start-up progress, error shapes, id validation, per-app metrics, and the serve command line."""
 
 from __future__ import annotations
@@ -10,44 +10,14 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from loraplane_server import cli
+from loraplane_server.bounded_labels import OTHER
 from loraplane_server.config import EngineConfig
 from loraplane_server.engine import LLMEngine
-from loraplane_server.http.adapter_usage import OTHER, AdapterUsage
-from loraplane_server.http.errors import error_body
-from loraplane_server.http.lifecycle import Lifecycle, Rejected
-from loraplane_server.http.metrics import Metrics
-from loraplane_server.http.security import is_valid_adapter_id
+from loraplane_server.http.admin import is_valid_adapter_id
+from loraplane_server.http.errors import Rejected, error_body
+from loraplane_server.http.metrics import AdapterUsage, Metrics
 from loraplane_server.http.server_config import ServerConfig, parse_bytes
-from loraplane_server.http.text_delta import TextDelta
-
-
-def test_streamed_pieces_add_up_to_the_final_text_despite_stop_strings() -> None:
-    delta = TextDelta(["\n\nUser:"])
-    steps = [
-        ("Hel", False),
-        ("Hello", False),
-        ("Hello\n", False),
-        ("Hello\n\n", False),
-        ("Hello\n\nUs", False),
-        ("Hello", True),
-    ]  # the engine trims the stop string from the final text
-    pieces = [delta.push(text, done) for text, done in steps]
-    assert pieces[:3] == ["Hel", "lo", ""]  # "\n" may start the stop string: held back
-    assert "".join(pieces) == "Hello"
-
-
-def test_a_cut_multibyte_character_is_held_until_complete() -> None:
-    delta = TextDelta()
-    assert delta.push("caf\ufffd", False) == "caf"
-    assert delta.push("café", False) == "é"
-    assert delta.push("café!", True) == "!"
-
-
-def test_held_back_text_is_flushed_when_the_stop_string_does_not_follow() -> None:
-    delta = TextDelta(["END"])
-    assert delta.push("the E", False) == "the "  # "E" may start "END"
-    assert delta.push("the En", False) == "En"  # "En" cannot
-    assert delta.push("the End.", True) == "d."
+from loraplane_server.http.state import Lifecycle
 
 
 def test_usage_labels_stay_bounded_and_every_series_only_grows() -> None:
@@ -170,10 +140,10 @@ def test_sizes_and_config_validation() -> None:
 
 
 def test_serve_builds_one_config_from_flags_and_environment(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
-    import loraplane_server.http.server as http_server
+    import loraplane_server.http.app as http_app
 
     got: list[ServerConfig] = []
-    monkeypatch.setattr(http_server, "serve", lambda config: got.append(config) or 0)
+    monkeypatch.setattr(http_app, "serve", lambda config: got.append(config) or 0)
     monkeypatch.setenv("LORAPLANE_ADMIN_TOKEN", "from-the-environment")
     argv = [
         "serve",

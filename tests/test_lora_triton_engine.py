@@ -6,10 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from engine_helpers import make_engine
 
 from lora_helpers import ADAPTER_SPECS, make_peft_adapter, peft_greedy
-from loraplane_server.config import EngineConfig
-from loraplane_server.engine import LLMEngine
 from loraplane_server.lora.triton_kernels import triton_available
 from loraplane_server.sampling_params import SamplingParams
 
@@ -25,17 +24,14 @@ def test_triton_backend_matches_torch_and_peft(tiny_llama_dir: Path, tmp_path: P
     ]
     outputs = {}
     for backend in ("torch", "triton"):
-        engine = LLMEngine(
-            EngineConfig(
-                model=str(tiny_llama_dir),
-                dtype="float32",
-                block_size=4,
-                num_kv_blocks=64,
-                max_loras=4,
-                max_lora_rank=16,
-                lora_backend=backend,
-                disk_cache_dir=str(tmp_path / "dc"),
-            )
+        engine = make_engine(
+            tiny_llama_dir,
+            block_size=4,
+            num_kv_blocks=64,
+            max_loras=4,
+            max_lora_rank=16,
+            lora_backend=backend,
+            disk_cache_dir=str(tmp_path / "dc"),
         )
         assert engine.runner.use_triton == (backend == "triton")
         for name, path in adapters.items():

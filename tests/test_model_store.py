@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from conftest import save_tiny
+from engine_helpers import make_engine
 from filelock import FileLock, Timeout
 from hf_hub_server import HubServer, files_of
 from s3_server import MinioServer, minio_server  # noqa: F401 - the session fixture
@@ -23,7 +24,6 @@ from safetensors.torch import load_file, save_file
 
 from loraplane_server import model_store
 from loraplane_server.config import EngineConfig
-from loraplane_server.engine import LLMEngine
 from loraplane_server.http import state as http_state
 from loraplane_server.http.server_config import ServerConfig
 from loraplane_server.model_store import MANIFEST, Progress, resolve, verify
@@ -90,7 +90,7 @@ def s3_env(minio_server: MinioServer, monkeypatch: pytest.MonkeyPatch) -> MinioS
 
 
 def greedy_ids(model_dir: Path) -> list[list[int]]:
-    engine = LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", num_kv_blocks=16))
+    engine = make_engine(model_dir, num_kv_blocks=16)
     params = SamplingParams(max_new_tokens=8, temperature=0.0)
     return [out.token_ids for out in engine.generate([[1, 2, 3, 4], [7, 8]], params)]
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from engine_helpers import make_engine
 
 from lora_helpers import ADAPTER_SPECS, make_peft_adapter, peft_greedy
-from loraplane_server.config import EngineConfig
 from loraplane_server.engine import LLMEngine
 from loraplane_server.lora.backends import TorchBackend
 from loraplane_server.sampling_params import SamplingParams
@@ -47,17 +47,14 @@ def check_against_peft(base_dir: Path, tmp: Path, vocab: int, max_loras: int, b_
         adapter = names[i % len(names)]
         prompt = [rng.randrange(3, vocab) for _ in range(rng.randrange(3, 40))]
         work.append((adapter, prompt, rng.randrange(4, 14), i // 3))
-    engine = LLMEngine(
-        EngineConfig(
-            model=str(base_dir),
-            dtype="float32",
-            block_size=4,
-            num_kv_blocks=128,
-            max_num_batched_tokens=64,
-            max_loras=max_loras,
-            max_lora_rank=16,
-            disk_cache_dir=str(tmp / "disk-cache"),
-        )
+    engine = make_engine(
+        base_dir,
+        block_size=4,
+        num_kv_blocks=128,
+        max_num_batched_tokens=64,
+        max_loras=max_loras,
+        max_lora_rank=16,
+        disk_cache_dir=str(tmp / "disk-cache"),
     )
     for name, path in adapters.items():
         engine.adapters.register(name, str(path))
@@ -94,9 +91,7 @@ def test_one_adapter_alone_matches_peft(tiny_llama_dir: Path, tmp_path: Path) ->
     """Every decode row on one adapter (a lone request or one hot adapter) takes the single-slot path."""
     name, spec = next(iter(ADAPTER_SPECS.items()))
     path = make_peft_adapter(tiny_llama_dir, tmp_path / name, seed=0, b_scale=1.0, **spec)
-    engine = LLMEngine(
-        EngineConfig(model=str(tiny_llama_dir), dtype="float32", block_size=4, num_kv_blocks=64, max_lora_rank=16)
-    )
+    engine = make_engine(tiny_llama_dir, block_size=4, num_kv_blocks=64, max_lora_rank=16)
     engine.adapters.register(name, str(path))
     rng = random.Random(5)
     prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (7, 19)]
@@ -112,16 +107,14 @@ def test_last_layer_runs_on_the_logits_rows_alone(tiny_llama_dir: Path, tmp_path
         name: make_peft_adapter(tiny_llama_dir, tmp_path / name, seed=i, **spec)
         for i, (name, spec) in enumerate(ADAPTER_SPECS.items())
     }
-    engine = LLMEngine(
-        EngineConfig(
-            model=str(tiny_llama_dir),
-            dtype=dtype,
-            block_size=4,
-            num_kv_blocks=128,
-            max_num_batched_tokens=48,
-            max_lora_rank=16,
-            disk_cache_dir=str(tmp_path / "disk-cache"),
-        )
+    engine = make_engine(
+        tiny_llama_dir,
+        dtype=dtype,
+        block_size=4,
+        num_kv_blocks=128,
+        max_num_batched_tokens=48,
+        max_lora_rank=16,
+        disk_cache_dir=str(tmp_path / "disk-cache"),
     )
     for name, path in adapters.items():
         engine.adapters.register(name, str(path))

@@ -14,8 +14,9 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from loraplane_server.engine import LLMEngine, RequestOutput
+from loraplane_server.engine import LLMEngine
 from loraplane_server.errors import EngineError, EngineShutdownError, InternalEngineError
+from loraplane_server.request_output import RequestOutput
 from loraplane_server.sampling_params import SamplingParams
 
 
@@ -25,6 +26,7 @@ class _Add:
     prompt: str | list[int]
     params: SamplingParams
     adapter_id: str | None
+    prompt_checked: bool
     queue: asyncio.Queue[RequestOutput | BaseException]
     loop: asyncio.AbstractEventLoop
 
@@ -52,8 +54,10 @@ class AsyncEngine:
         params: SamplingParams,
         request_id: str | None = None,
         adapter_id: str | None = None,
+        prompt_checked: bool = False,
     ) -> AsyncIterator[RequestOutput]:
-        """Yield the request's output after every step that advanced it; the last one is finished.
+        """Yield the request's output after every step that advanced it (its deltas); the last one is
+        finished and also holds the whole text, token ids and logprobs. prompt_checked: as add_request's.
 
         Raises the engine's own error, as add_request raised it (an EngineError), before the first yield;
         EngineShutdownError after shutdown(); InternalEngineError if the engine itself failed.
@@ -62,7 +66,7 @@ class AsyncEngine:
             self._ids += 1
             request_id = request_id or f"areq-{self._ids}"
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self._submit(_Add(request_id, prompt, params, adapter_id, queue, asyncio.get_running_loop()))
+        self._submit(_Add(request_id, prompt, params, adapter_id, prompt_checked, queue, asyncio.get_running_loop()))
         finished = False
         try:
             while True:
@@ -141,7 +145,7 @@ class AsyncEngine:
                 future.set_exception(exc)
         for add in adds:
             try:
-                self.engine.add_request(add.prompt, add.params, add.request_id, add.adapter_id)
+                self.engine.add_request(add.prompt, add.params, add.request_id, add.adapter_id, add.prompt_checked)
                 self._streams[add.request_id] = add
             except EngineError as exc:  # the request's own error: to its caller as raised
                 add.loop.call_soon_threadsafe(add.queue.put_nowait, exc)

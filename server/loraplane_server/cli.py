@@ -181,7 +181,7 @@ def _server_config(a: argparse.Namespace):  # noqa: ANN202 - imported lazily: ch
 
 def cmd_serve(a: argparse.Namespace) -> int:
     """Serve the HTTP API (LoRAX, OpenAI, vLLM admin, /metrics) until SIGTERM."""
-    from loraplane_server.http.server import serve
+    from loraplane_server.http.app import serve
 
     try:
         config = _server_config(a)

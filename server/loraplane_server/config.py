@@ -36,6 +36,10 @@ class EngineConfig:
     # dense layers (linear up to cpu_kernels.LINEAR_MAX_ROWS rows, fused norm/rotary/activation, BGMV):
     # auto (cpu_kernel on the CPU in bf16 when it builds, else torch) | torch | cpu_kernel
     layer_backend: str = "auto"
+    # with the layer kernels and cpu_kernel attention: the layers before the last as one call each to the fused
+    # CPU decoder layer (csrc/decoder_layer_cpu.cpp, same bits) in the families whose layers it computes;
+    # off: the Python layers, the same kernels one by one
+    fuse_layers: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
@@ -54,3 +58,5 @@ class EngineConfig:
             raise ValueError(f"layer_backend={self.layer_backend!r}: expected auto, torch or cpu_kernel")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ValueError("num_kv_blocks must be >= 2")
+        if not isinstance(self.fuse_layers, bool):
+            raise ValueError(f"fuse_layers={self.fuse_layers!r}: expected true or false")

@@ -1,6 +1,7 @@
 """The tensors that describe one engine step to the model, built by the model runner.
 
-Passed explicitly through every layer's forward (no module-level context).
+Passed explicitly through every layer's forward (no module-level context). A plain record of the step:
+the backends that compute it were handed to the layers once, at engine start (backends.py).
 Token order: all decode tokens first (one per sequence), then each prefill chunk in turn.
 """
 
@@ -30,11 +31,8 @@ class ForwardBatch:
     num_decode_tokens: int
     decode_block_tables: torch.Tensor | None  # [Bd, max_blocks] int64, padded with 0
     decode_context_lens: torch.Tensor | None  # [Bd] int64, including the new token
-    decode_mask: torch.Tensor | None = None  # [Bd, 1, 1, max_blocks * block_size] bool (torch path only)
-    # bf16 on the CPU: fused norm/rotary/activation, linear and BGMV kernels (layers/*.py, lora/backends/cpu_kernel.py)
-    layer_kernels: bool = False
-    # torch (gather + SDPA) | cpu_kernel (decode; bf16 prefill too) | triton (decode): the kernels read blocks in place
-    decode_attention: str = "torch"
+    # [Bd, 1, 1, max_blocks * block_size] bool: set by the torch attention backend's prepare (its own alone)
+    decode_mask: torch.Tensor | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)
     logits_indices: torch.Tensor | None = None  # [S] rows whose next token is sampled
     lora: LoRABatch | None = None  # per-token adapter slots; None when no token has an adapter

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from loraplane_server.backends import Backends
 from loraplane_server.forward_batch import ForwardBatch, PrefillChunk
-from loraplane_server.lora.backends import LoRABackend, LoRABatch, TorchBackend, TritonBackend
+from loraplane_server.lora.backends import LoRABatch, TritonBackend
 from loraplane_server.lora.slots import LoRASlots
 from loraplane_server.models.llama import LlamaForCausalLM
 from loraplane_server.sampler import Sampler
@@ -25,10 +26,8 @@ class ModelRunner:
         block_size: int,
         dtype: torch.dtype,
         device: torch.device,
+        backends: Backends,
         lora_slots: LoRASlots | None = None,
-        lora_backend: LoRABackend | None = None,
-        decode_attention: str = "torch",
-        layer_kernels: bool = False,
     ) -> None:
         a = model.args
         self.model = model
@@ -37,18 +36,20 @@ class ModelRunner:
         self.kv_caches = torch.zeros(
             a.num_layers, 2, num_blocks, block_size, a.num_kv_heads, a.head_dim, dtype=dtype, device=device
         )  # [L, 2, N, B, KVH, D]
-        self.sampler = Sampler(kernels=layer_kernels)
+        self.sampler = Sampler(kernels=backends.layer_kernels)
         self.lora_slots = lora_slots
-        self.lora_backend = lora_backend or TorchBackend(device)  # chosen once (lora/backends.resolve)
-        self.decode_attention = decode_attention  # torch | cpu_kernel | triton (layers/attention.py)
-        self.layer_kernels = layer_kernels  # the bf16 CPU kernels for linear, norm/rotary/activation and BGMV
-        self.generators: dict[int, torch.Generator | None] = {}  # seq id -> its own RNG
+        self.use_backends(backends)
         self.nonfinite: list[Sequence] = []  # sequences whose logits were NaN or inf, for the engine to fail
+
+    def use_backends(self, backends: Backends) -> None:
+        """The backends resolved once at engine start (backends.py), handed to the model's layers too."""
+        self.backends = backends
+        self.model.use_backends(backends)
 
     @property
     def use_triton(self) -> bool:
         """Whether LoRA runs on the Triton backend."""
-        return isinstance(self.lora_backend, TritonBackend)
+        return isinstance(self.backends.lora, TritonBackend)
 
     def prepare(self, scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, ForwardBatch, list[Sequence]]:
         """Flatten a step into input ids and a ForwardBatch; decodes first, then prefill chunks."""
@@ -87,12 +88,8 @@ class ModelRunner:
             decode_context_lens=None if lens is None else lens.to(self.device),
             prefills=chunks,
             logits_indices=t(logits_rows),
-            decode_attention=self.decode_attention,
-            layer_kernels=self.layer_kernels,
         )
-        if batch.decode_context_lens is not None and tables is not None and self.decode_attention == "torch":
-            span = torch.arange(tables.shape[1] * bs, device=self.device)
-            batch.decode_mask = (span < batch.decode_context_lens.unsqueeze(1))[:, None, None, :]
+        self.backends.attention.prepare(batch, bs)
         batch.lora = self._lora_batch(decodes, prefills, chunks, len(ids))
         if batch.lora is not None and batch.prunes_last_layer:
             batch.logits_lora = self._rows_lora_batch(samplers)
@@ -117,7 +114,7 @@ class ModelRunner:
                 segments[-1] = (segments[-1][0], end, seq.lora_slot)  # merge runs of one adapter
             else:
                 segments.append((start, end, seq.lora_slot))
-        lora = self.lora_backend.prepare(self.lora_slots, decode_slots, segments, num_tokens)
+        lora = self.backends.lora.prepare(self.lora_slots, decode_slots, segments, num_tokens)
         return None if lora.is_empty else lora
 
     def _row_slots(self, seqs: list[Sequence]) -> list[int]:
@@ -130,7 +127,7 @@ class ModelRunner:
         """The adapters of the logits rows (one per sampling sequence, in order), each row on its own."""
         assert self.lora_slots is not None
         rows = self._row_slots(samplers)
-        lora = self.lora_backend.prepare(self.lora_slots, rows, [], len(rows))
+        lora = self.backends.lora.prepare(self.lora_slots, rows, [], len(rows))
         return None if lora.is_empty else lora
 
     @torch.inference_mode()
@@ -141,7 +138,7 @@ class ModelRunner:
         logits, samplers = self._drop_nonfinite(logits, samplers)
         if not samplers:
             return [], [], []
-        gens = [self.generators.get(s.seq_id) for s in samplers]
+        gens = [s.generator for s in samplers]
         seen = [s.token_ids if s.params.repetition_penalty != 1.0 else [] for s in samplers]
         tokens, logprobs = self.sampler(logits, [s.params for s in samplers], gens, seen)
         return samplers, tokens.tolist(), logprobs.tolist()

@@ -1,12 +1,19 @@
-"""A request's state as the scheduler and block manager see it. No torch here."""
+"""A request's state: what the scheduler and block manager see, and the engine's per-request rest
+(its text, its RNG, its failure). No torch here."""
 
 from __future__ import annotations
 
 import enum
 import itertools
 import time
+from typing import TYPE_CHECKING
 
+from loraplane_server.detokenizer import Detokenizer
+from loraplane_server.errors import RequestFailedError
 from loraplane_server.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 
 class SequenceStatus(enum.Enum):
@@ -28,6 +35,8 @@ _ids = itertools.count()
 class Sequence:
     """Prompt plus generated tokens, the KV blocks holding them, and progress through them."""
 
+    generator: torch.Generator | None  # its own RNG when seeded (the model runner samples with it)
+
     def __init__(
         self,
         request_id: str,
@@ -37,6 +46,7 @@ class Sequence:
     ) -> None:
         self.seq_id = next(_ids)
         self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)  # shared by every RequestOutput: never changed
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
@@ -49,7 +59,9 @@ class Sequence:
         self.num_cached_tokens = 0  # of those, found in the prefix cache
         self.num_preemptions = 0
         self.logprobs: list[float] = []
-        self.output_text_len = 0  # chars of decoded text already checked for stop strings
+        self.detok = Detokenizer(self.num_prompt_tokens, params.stop)
+        self.generator = None
+        self.failure: RequestFailedError | None = None  # why it finished with FinishReason.ERROR
         self.arrival_time = time.monotonic()
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None

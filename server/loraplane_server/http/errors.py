@@ -1,12 +1,12 @@
 """Errors as JSON bodies: OpenAI's shape on /v1 routes, LoRAX's on /, /generate and /generate_stream.
 
 OpenAI: {"error": {"message", "type", "param", "code"}}. LoRAX: {"error": message, "error_type"}.
-The engine's typed errors (loraplane_server.errors) get their status codes here alone: `api_error`.
+The engine's typed errors (loraplane_server.errors) get their status codes here alone: `api_error`;
+`install_handlers` answers ApiError, Rejected (admission), pydantic's and Starlette's errors in these shapes.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -14,7 +14,6 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from loraplane_server.errors import (
     AdapterError,
@@ -30,10 +29,6 @@ from loraplane_server.errors import (
     PromptTooLongError,
     UnknownAdapterError,
 )
-from loraplane_server.http.lifecycle import Rejected
-from loraplane_server.http.valid_text import UNICODE_ERROR
-
-log = logging.getLogger("loraplane.http")
 
 LORAX_PATHS = frozenset({"/", "/generate", "/generate_stream"})
 _OPENAI_TYPES = {
@@ -48,6 +43,7 @@ _OPENAI_TYPES = {
     429: "rate_limit_error",
     503: "service_unavailable",
 }
+UNICODE_ERROR = "string_unicode"  # pydantic's own error type for bad Unicode, raised by ValidText (sampling.py)
 
 
 class ApiError(Exception):
@@ -67,6 +63,15 @@ class ApiError(Exception):
         self.param = param
         self.code = code
         self.headers = headers or {}
+
+
+class Rejected(Exception):
+    """A request refused at the door (Lifecycle.admit): status 429 (queue full) or 503 (loading, draining, failed)."""
+
+    def __init__(self, status: int, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.reason = reason
 
 
 def error_body(path: str, status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
@@ -161,36 +166,3 @@ def install_handlers(app: FastAPI) -> None:
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         headers = dict(exc.headers) if exc.headers else None
         return error_response(request.url.path, ApiError(exc.status_code, str(exc.detail), headers=headers))
-
-
-class CatchAll:
-    """ASGI middleware: an unexpected exception becomes a JSON 500 and goes no further.
-
-    Starlette's own handler for Exception (ServerErrorMiddleware) re-raises after answering, and uvicorn
-    then closes the kept-alive connection, so the client's next request on it is reset. Once a response
-    has started (a stream) there is nothing to answer with; closing the connection is then the only signal.
-    """
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        started = False
-
-        async def tracking_send(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
-        try:
-            await self.app(scope, receive, tracking_send)
-        except Exception as exc:
-            if started:
-                raise
-            log.exception("unhandled error on %s %s", scope.get("method"), scope.get("path"))
-            path = scope.get("path", "")
-            body = error_body(path, 500, f"internal error: {type(exc).__name__}", code="internal_error")
-            await JSONResponse(body, status_code=500)(scope, receive, send)

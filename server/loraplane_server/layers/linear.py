@@ -39,6 +39,7 @@ class ProjectionLinear(nn.Module):
         self.out_features = start
         self.weight = nn.Parameter(torch.empty(start, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(start), requires_grad=False) if bias else None
+        self.kernels = False  # the bf16 CPU layer kernels (the model's use_backends)
 
     def load(self, name: str, part: str, tensor: torch.Tensor) -> None:
         """Copy a checkpoint tensor (part 'weight' or 'bias') into projection `name`'s slice."""
@@ -51,7 +52,7 @@ class ProjectionLinear(nn.Module):
         target.data[lo:hi].copy_(tensor)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        out = base_linear(x, self.weight, self.bias, batch.layer_kernels)  # [T, out]
+        out = base_linear(x, self.weight, self.bias, self.kernels)  # [T, out]
         if batch.lora is not None:
             out = batch.lora.apply(self, x, out)
         return out

@@ -88,7 +88,7 @@ class Gemma3DecoderLayer(DecoderLayer):
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):
-    fuse_layers = False  # norms, activation and ropes the fused CPU decoder layer does not compute
+    can_fuse_layers = False  # norms, activation and ropes the fused CPU decoder layer does not compute
     layer_class = Gemma3DecoderLayer
     args: Gemma3Args
 

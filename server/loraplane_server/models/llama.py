@@ -8,20 +8,23 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from loraplane_server.attention import AttentionBackend, CPUKernelAttention, TorchAttention
 from loraplane_server.forward_batch import ForwardBatch
 from loraplane_server.layers import cpu_kernels
-from loraplane_server.layers.attention import paged_attention
 from loraplane_server.layers.linear import ProjectionLinear, base_linear
 from loraplane_server.layers.norm import RMSNorm
 from loraplane_server.layers.rotary import RotaryEmbedding, apply_rotary, rope_attention_scaling
 from loraplane_server.lora.backends.cpu_kernel import CPUKernelLoRABatch
 from loraplane_server.models.args import ModelArgs
+
+if TYPE_CHECKING:
+    from loraplane_server.backends import Backends
 
 
 class Attention(nn.Module):
@@ -39,6 +42,8 @@ class Attention(nn.Module):
         self.scale = args.attention_scale or args.head_dim**-0.5
         self.kernel_rotary = args.is_llama_shaped  # the CPU rotary kernel rotates whole heads
         self.layer_idx = layer_idx
+        self.kernels = False  # the bf16 CPU layer kernels; this and the backend: LlamaForCausalLM.use_backends
+        self.backend: AttentionBackend = TorchAttention()
 
     def forward(
         self,
@@ -58,11 +63,11 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if batch.layer_kernels and q.dtype == torch.bfloat16 and self.kernel_rotary:
+        if self.kernels and q.dtype == torch.bfloat16 and self.kernel_rotary:
             cpu_kernels.rotary_(q, k, *cos_sin)  # in place
         else:
             q, k = apply_rotary(q, k, *cos_sin)
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], batch, self.scale)  # [T, H, D]
+        out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], batch, self.scale)  # [T, H, D]
         if rows is not None and batch.logits_indices is not None:
             return self.o(out.reshape(t, q_size)[batch.logits_indices], rows)
         return self.o(out.reshape(t, q_size), batch)
@@ -78,12 +83,13 @@ class MLP(nn.Module):
         self.down = ProjectionLinear(inter, {"down_proj": args.hidden_size}, args.mlp_bias, "down", layer_idx)
         self.intermediate_size = inter
         self.hidden_act = args.hidden_act
+        self.kernels = False  # the bf16 CPU layer kernels (LlamaForCausalLM.use_backends)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         if self.hidden_act != "silu":  # the CPU kernels fuse SiLU only
             gate, up = self.gate_up(x, batch).split(self.intermediate_size, dim=-1)
             return self.down(F.gelu(gate, approximate="tanh") * up, batch)
-        kernels = batch.layer_kernels and x.dtype == torch.bfloat16
+        kernels = self.kernels and x.dtype == torch.bfloat16
         if kernels and x.stride(-1) == 1 and (batch.lora is None or not batch.lora.targets(self.gate_up)):
             # no LoRA delta to add between the two: the activation runs in the GEMM's epilogue
             return self.down(cpu_kernels.linear_silu_mul(x, self.gate_up.weight, self.gate_up.bias), batch)
@@ -115,6 +121,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(args, layer_idx, self.qk_norm)
         self.post_attention_layernorm = self.norm_class(args.hidden_size, args.rms_norm_eps)
         self.mlp = MLP(args, layer_idx)
+        self.kernels = False  # the bf16 CPU layer kernels (LlamaForCausalLM.use_backends)
 
     def forward(
         self,
@@ -133,11 +140,11 @@ class DecoderLayer(nn.Module):
         a = self.self_attn(h, cos_sin, kv_cache, batch, rows)
         if rows is not None and batch.logits_indices is not None:
             x, batch = x[batch.logits_indices], rows
-        h = self.post_attention_layernorm.add_forward(x, a, batch.layer_kernels)
+        h = self.post_attention_layernorm.add_forward(x, a, self.kernels)
         m = self.mlp(h, batch)
         if next_norm is None:
             return x.add_(m)
-        return next_norm.add_forward(x, m, batch.layer_kernels)
+        return next_norm.add_forward(x, m, self.kernels)
 
     def fused(
         self,
@@ -182,9 +189,9 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    # layers before the last through cpu_kernels.decoder_layer where it applies (off: the Python layers);
-    # a family whose layer computes anything that kernel does not sets it False
-    fuse_layers: bool = True
+    # whether cpu_kernels.decoder_layer computes this family's layer: a family whose layer computes anything
+    # that kernel does not sets it False (the switch is EngineConfig.fuse_layers)
+    can_fuse_layers: bool = True
     layer_class: type[DecoderLayer] = DecoderLayer
 
     def __init__(self, args: ModelArgs, max_positions: int) -> None:
@@ -198,18 +205,37 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if args.tie_word_embeddings else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         for p in self.parameters():
             p.requires_grad_(False)
+        # the torch paths until use_backends
+        self.kernels = False  # the bf16 CPU layer kernels
+        self.fused_layers = False  # layers before the last through cpu_kernels.decoder_layer, where it applies
+
+    def use_backends(self, backends: Backends) -> None:
+        """Hands the backends resolved once at engine start (backends.py) to every layer: from then on the
+        layers read them from themselves, never from a step's batch."""
+        self.kernels = backends.layer_kernels
+        self.fused_layers = (
+            backends.fuse_layers
+            and backends.layer_kernels
+            and isinstance(backends.attention, CPUKernelAttention)  # the fused layer attends with those kernels
+            and self.can_fuse_layers
+            and self.args.is_llama_shaped
+        )
+        for module in self.modules():
+            if isinstance(module, Attention):
+                module.backend = backends.attention
+            if isinstance(module, Attention | MLP | DecoderLayer | ProjectionLinear):
+                module.kernels = backends.layer_kernels
 
     def forward(self, input_ids: torch.Tensor, kv_caches: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """input_ids [T] -> logits [S, V] for the rows in batch.logits_indices."""
         x = self.embed(input_ids)  # [T, hidden]: the residual stream (a fresh tensor, updated in place)
-        kernels = batch.layer_kernels and x.dtype == torch.bfloat16
+        kernels = self.kernels and x.dtype == torch.bfloat16
         cos_sins = self.cos_sins(batch.positions, x.dtype, kernels)
         layers = self.decoder_layers
         h = layers[0].input_layernorm.add_forward(x, None, kernels)
         last = len(layers) - 1
         rows = batch.logits_rows_batch() if batch.prunes_last_layer else None
-        can_fuse = kernels and self.fuse_layers and self.args.is_llama_shaped
-        fused = self._fused_step(batch, cos_sins[0]) if can_fuse else None
+        fused = self._fused_step(batch, cos_sins[0]) if kernels and self.fused_layers else None
         for i, (layer, kv_cache) in enumerate(zip(layers, kv_caches, strict=True)):
             if i < last and fused is not None:
                 h = layer.fused(x, h, kv_cache, batch, layers[i + 1].input_layernorm, fused)
@@ -221,7 +247,7 @@ class LlamaForCausalLM(nn.Module):
             h = h[batch.logits_indices]
         h = self.norm.add_forward(h.contiguous(), None, kernels)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return base_linear(h, weight, None, batch.layer_kernels)
+        return base_linear(h, weight, None, self.kernels)
 
     @property
     def decoder_layers(self) -> Sequence[DecoderLayer]:
@@ -245,8 +271,6 @@ class LlamaForCausalLM(nn.Module):
         apply (the Python layers then run the same kernels one by one)."""
         lora = batch.lora
         if lora is not None and not isinstance(lora, CPUKernelLoRABatch):  # the kernel reads packed slots only
-            return None
-        if batch.decode_attention != "cpu_kernel":
             return None
         if batch.prefills and not cpu_kernels.prefill_kernel_applies_to(torch.bfloat16, self.args.head_dim):
             return None

@@ -12,5 +12,5 @@ class Qwen3DecoderLayer(DecoderLayer):
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
-    fuse_layers = False  # the fused CPU decoder layer has no q/k norms: the Python layers run
+    can_fuse_layers = False  # the fused CPU decoder layer has no q/k norms: the Python layers run
     layer_class = Qwen3DecoderLayer

@@ -34,7 +34,7 @@ from loraplane_server.router.pool import KubePods, Pool, static_targets
 
 log = logging.getLogger("loraplane.router")
 
-REFUSED_AT_THE_DOOR = (429, 503)  # a server pod's answers to a request it did not start (see http/lifecycle.py)
+REFUSED_AT_THE_DOOR = (429, 503)  # a server pod's answers to a request it did not start (see http/state.py: Lifecycle)
 POD_HEADER = "x-loraplane-pod"  # on every routed answer: the pod that served it
 GENERATION_ROUTES = ("/generate", "/generate_stream", "/", "/v1/completions", "/v1/chat/completions")
 ADMIN_PREFIXES = ("/v1/adapters", "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/debug")

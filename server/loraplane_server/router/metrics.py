@@ -2,10 +2,11 @@
 the routed-to-resident ratio, spills and each spilled adapter's home width, retries, failures and the
 pods' time to response headers.
 
-Per-adapter series are bounded like the server's token usage: at most `max_labels` adapters have their own
-series (the busiest by lifetime requests), the rest count under OTHER; a displaced adapter's series goes stale
-and resumes from its last value when it comes back, so every series only grows. A pod's series are removed once
-the pod has been out of the pool for `POD_SERIES_TTL_S` (pods are replaced with new names).
+Per-adapter series are bounded like the server's token usage (loraplane_server.bounded_labels): at most
+`max_labels` adapters have their own series (the busiest by lifetime requests), the rest count under OTHER; a
+displaced adapter's series goes stale and resumes from its last value when it comes back, so every series only
+grows. A pod's series are removed once the pod has been out of the pool for `POD_SERIES_TTL_S` (pods are
+replaced with new names).
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-OTHER = "__other__"
+from loraplane_server.bounded_labels import OTHER, BoundedLabels
+
 TIERS = ("device", "host", "disk", "none", "base")  # the tier the request's adapter had on its pod when routed
 RESIDENT_TIERS = frozenset({"device", "host", "disk"})
 POD_SERIES_TTL_S = 300.0
@@ -30,38 +32,16 @@ class AdapterCount:
     resident: int = 0
 
 
-class AdapterCounts:
+class AdapterCounts(BoundedLabels[AdapterCount]):
     """Requests per adapter (and how many went to a pod that held it), `max_labels` adapters at most."""
 
     def __init__(self, max_labels: int) -> None:
-        self.max_labels = max_labels
-        self.labelled: dict[str, AdapterCount] = {}
-        self.retired: dict[str, AdapterCount] = {}
-        self.lifetime: dict[str, int] = {}
-        self.other = AdapterCount()
+        super().__init__(max_labels, AdapterCount)
 
     def record(self, adapter: str, resident: bool) -> None:
-        self.lifetime[adapter] = self.lifetime.get(adapter, 0) + 1
-        count = self.labelled.get(adapter)
-        if count is None and self._promote(adapter):
-            count = self.labelled[adapter]
-        count = count or self.other
+        count = self.value(adapter, 1)
         count.requests += 1
         count.resident += int(resident)
-
-    def _promote(self, adapter: str) -> bool:
-        if len(self.labelled) >= self.max_labels:
-            smallest = min(self.labelled, key=lambda a: self.lifetime[a])
-            if self.lifetime[smallest] >= self.lifetime[adapter]:
-                return False
-            self.retired[smallest] = self.labelled.pop(smallest)
-        self.labelled[adapter] = self.retired.pop(adapter, AdapterCount())
-        return True
-
-    def series(self) -> Iterator[tuple[str, AdapterCount]]:
-        yield from sorted(self.labelled.items())
-        if self.other.requests:
-            yield OTHER, self.other
 
 
 class RouterMetrics:
@@ -134,13 +114,11 @@ class _ScrapeTime(Collector):
             "Requests routed per adapter to a pod that held it (device, host or disk)",
             labels=["adapter"],
         )
-        total = hits = 0
         for adapter, count in self.metrics.adapters.series():
             requests.add_metric([adapter], count.requests)
             resident.add_metric([adapter], count.resident)
-        for count in (*self.metrics.adapters.labelled.values(), *self.metrics.adapters.retired.values()):
-            total, hits = total + count.requests, hits + count.resident
-        total, hits = total + self.metrics.adapters.other.requests, hits + self.metrics.adapters.other.resident
+        counts = list(self.metrics.adapters.values())
+        total, hits = sum(c.requests for c in counts), sum(c.resident for c in counts)
         yield requests
         yield resident
         yield GaugeMetricFamily(

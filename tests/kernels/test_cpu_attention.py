@@ -99,7 +99,7 @@ def test_thread_count_does_not_change_the_result() -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_write_kv_matches_index_copy_from_strided_views(dtype: torch.dtype) -> None:
     """k and v as views into a fused q|k|v output (rows strided), scattered slots in 3 blocks of 4."""
-    from loraplane_server.layers.attention import write_kv
+    from loraplane_server.attention import TorchAttention
 
     gen = torch.Generator().manual_seed(11)
     qkv = torch.randn(9, (4 + 2 + 2) * 16, generator=gen).to(dtype)  # [T, (H + 2 KVH) * D]
@@ -107,8 +107,8 @@ def test_write_kv_matches_index_copy_from_strided_views(dtype: torch.dtype) -> N
     slots = torch.tensor([5, 0, 11, 6, 7, 1, 9, 10, 2])
     caches = [torch.randn(3, 4, 2, 16, generator=gen).to(dtype) for _ in range(2)]  # [N, B, KVH, D]
     expected = [c.clone() for c in caches]
-    write_kv(k, v, *expected, slots)  # index_copy_
-    write_kv(k, v, *caches, slots, kernel=True)
+    TorchAttention().write_kv(k, v, *expected, slots)  # index_copy_
+    TorchAttention(kernel_kv_write=True).write_kv(k, v, *caches, slots)
     assert torch.equal(caches[0], expected[0]) and torch.equal(caches[1], expected[1])
     assert torch.equal(caches[0].view(12, 2, 16)[slots], k)
 

@@ -7,10 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from engine_helpers import make_engine, run_all
 
 from lora_helpers import ADAPTER_SPECS, make_peft_adapter, teacher_forced
-from loraplane_server.config import EngineConfig
-from loraplane_server.engine import LLMEngine
 from loraplane_server.layers import cpu_kernels
 from loraplane_server.lora.backends import TorchBackend
 from loraplane_server.sampling_params import SamplingParams
@@ -165,9 +164,7 @@ def test_bf16_engine_with_many_adapters_follows_peft_fp32(
         name: make_peft_adapter(smollm2_dir, tmp_path / name, seed=i, b_scale=1.0, **spec)
         for i, (name, spec) in enumerate(ADAPTER_SPECS.items())
     }
-    engine = LLMEngine(
-        EngineConfig(model=str(smollm2_dir), dtype="bfloat16", max_loras=4, max_lora_rank=16, max_num_seqs=8)
-    )
+    engine = make_engine(smollm2_dir, dtype="bfloat16", max_loras=4, max_lora_rank=16, max_num_seqs=8)
     assert engine.layer_backend == "cpu_kernel"
     slots = engine.runner.lora_slots
     assert slots.packed is not None and not slots.a and not slots.bt  # the kernel's packed layout only
@@ -178,12 +175,7 @@ def test_bf16_engine_with_many_adapters_follows_peft_fp32(
     work.append((None, engine.tokenizer.encode("The sea is")))
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
     rids = [engine.add_request(prompt, params, adapter_id=name) for name, prompt in work]
-    done: dict[str, list[int]] = {}
-    while engine.has_unfinished:
-        for out in engine.step():
-            assert out.error is None, out.error
-            if out.finished:
-                done[out.request_id] = out.token_ids
+    done = {rid: out.token_ids for rid, out in run_all(engine, check_errors=True).items()}
     base = AutoModelForCausalLM.from_pretrained(str(smollm2_dir), dtype=torch.float32).eval()
     for (name, prompt), rid in zip(work, rids, strict=True):
         model = base if name is None else PeftModel.from_pretrained(base, str(adapters[name])).eval()

@@ -10,12 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import save_tiny
+from engine_helpers import make_engine, run_all
 
 from lora_helpers import ADAPTER_SPECS, make_peft_adapter
-from loraplane_server.config import EngineConfig
-from loraplane_server.engine import LLMEngine
 from loraplane_server.layers import cpu_kernels
-from loraplane_server.models.llama import LlamaForCausalLM
 from loraplane_server.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.requires_cpu_kernels
@@ -24,17 +22,15 @@ pytestmark = pytest.mark.requires_cpu_kernels
 def run_engine(model_dir: Path, adapters: dict[str, Path], fused: bool) -> tuple[list[torch.Tensor], int]:
     """Every step's logits, and the fused layer calls, for one workload: 5 requests (4 adapters, base),
     prompts longer than the step's token budget so later chunks attend to cached context."""
-    LlamaForCausalLM.fuse_layers = fused
-    engine = LLMEngine(
-        EngineConfig(
-            model=str(model_dir),
-            dtype="bfloat16",
-            max_loras=4,
-            max_lora_rank=16,
-            max_num_seqs=8,
-            max_num_batched_tokens=48,
-            enable_prefix_caching=False,
-        )
+    engine = make_engine(
+        model_dir,
+        dtype="bfloat16",
+        max_loras=4,
+        max_lora_rank=16,
+        max_num_seqs=8,
+        max_num_batched_tokens=48,
+        enable_prefix_caching=False,
+        fuse_layers=fused,
     )
     assert engine.layer_backend == "cpu_kernel" and engine.attention_backend == "cpu_kernel"
     for name, path in adapters.items():
@@ -68,12 +64,9 @@ def run_engine(model_dir: Path, adapters: dict[str, Path], fused: bool) -> tuple
         for i, name in enumerate(names):
             prompt = torch.randint(0, 384, (20 + 17 * i,), generator=gen).tolist()
             engine.add_request(prompt, SamplingParams(max_new_tokens=6 + i, ignore_eos=True), adapter_id=name)
-        while engine.has_unfinished:
-            for out in engine.step():
-                assert out.error is None, out.error
+        run_all(engine, check_errors=True)
     finally:
         cpu_kernels.decoder_layer = layer_call  # type: ignore[assignment]
-        LlamaForCausalLM.fuse_layers = True
     return steps, calls
 
 

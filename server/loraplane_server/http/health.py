@@ -7,9 +7,8 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from loraplane_server.http.errors import ApiError
-from loraplane_server.http.lifecycle import Phase
-from loraplane_server.http.openai_common import created
-from loraplane_server.http.state import get_state
+from loraplane_server.http.openai import created
+from loraplane_server.http.state import Phase, get_state
 
 router = APIRouter(tags=["health"])
 

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from loraplane_server.http.valid_text import ValidText
+from loraplane_server.http.sampling import ValidText
 from loraplane_server.sampling_params import GREEDY_BELOW, MIN_REPETITION_PENALTY, MIN_TOP_P
 
 MAX_STOP = 16
