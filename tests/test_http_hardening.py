@@ -20,6 +20,8 @@ from hypothesis.strategies import SearchStrategy
 from schemathesis import GenerationMode
 from test_http_support import ADMIN_TOKEN, ServerProcess, admin_headers, make_adapter_set
 
+from loraplane_server import cpu_features
+
 pytestmark = pytest.mark.slow
 CONTEXT = 32
 BODY_LIMIT = 64 * 1024
@@ -119,6 +121,7 @@ def test_fuzz_every_route(server: ServerProcess) -> None:
     assert after.status_code == 200 and after.json() == before.json()
     state = httpx.get(f"{server.url}/v1/debug/engine", headers=admin_headers()).json()
     assert state["num_requests"] == 0 and state["num_free_blocks"] == state["num_blocks"]
+    assert cpu_features.cpu_model() in state["paths"] and "; float32; attention " in state["paths"]  # fp32 server
 
 
 def test_queue_full_gets_429_with_retry_after(server: ServerProcess) -> None:

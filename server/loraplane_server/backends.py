@@ -30,6 +30,14 @@ class Backends:
         """The resolved layer_backend: cpu_kernel or torch."""
         return "cpu_kernel" if self.layer_kernels else "torch"
 
+    def describe(self, fused: bool) -> str:
+        """The paths this engine runs, for its start-up log line and /v1/debug/engine; fused: whether the
+        model's layers run as the one-call CPU layer (the switch and the model family both allow it)."""
+        return (
+            f"attention {self.attention.name}, layers {self.layer_backend}"
+            f"{' (one call per decoder layer)' if fused else ''}, LoRA {self.lora.name}"
+        )
+
 
 def resolve_backends(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> Backends:
     """The attention, layer and LoRA backends the config asks for, as they run on `device` in `dtype`.

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -41,6 +42,8 @@ from loraplane_server.sampling_params import SamplingParams
 from loraplane_server.scheduler import Scheduler
 from loraplane_server.sequence import FinishReason, Sequence
 from loraplane_server.user_cache import cache_root
+
+log = logging.getLogger("loraplane.engine")
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -102,6 +105,7 @@ class LLMEngine:
             self.backends,
             self.lora_slots,
         )
+        log.info("engine: %s", self.describe())
         phase("loading the tokenizer")
         self.tokenizer = _load_tokenizer(self.model_dir)
         self.eos_token_ids = _eos_ids(self.model_dir, hf_config)
@@ -113,6 +117,16 @@ class LLMEngine:
         self._counter = itertools.count()
         self.num_steps = 0
         self.last_step_tokens = 0
+
+    def describe(self) -> str:
+        """One line of what runs where: the CPU (or device), dtype, the kernels' ISA, every backend."""
+        if self.device.type == "cpu":
+            isa = cpu_kernels.loaded_isa()
+            where = f"{cpu_features.describe()}, kernels built for {isa or 'none (torch only)'}"
+        else:
+            where = str(self.device)
+        dtype = str(self.dtype).removeprefix("torch.")
+        return f"{where}; {dtype}; {self.backends.describe(self.runner.model.fused_layers)}"
 
     # requests
     def add_request(

@@ -6,6 +6,7 @@ machine build and run exactly what an AVX2-only one does."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -61,6 +62,7 @@ def test_without_the_bf16_kernels_auto_takes_torch_and_cpu_kernel_is_refused_at_
     assert engine.layer_backend == "torch"
     assert engine.runner.lora_slots.packed is None  # the torch LoRA layout, not the BGMV kernel's
     assert not cpu_kernels.prefill_kernel_applies_to(torch.bfloat16, 64)
+    assert "; bfloat16; attention cpu_kernel, layers torch, LoRA torch" in engine.describe()
     with pytest.raises(
         RuntimeError, match="layer_backend=cpu_kernel needs AVX-512 BF16.*Use layer_backend auto or torch"
     ):
@@ -84,6 +86,7 @@ except RuntimeError as error:
     report["bgmv_packed_"] = str(error).splitlines()[0]
 engine = LLMEngine(EngineConfig(model=MODEL, num_kv_blocks=32))
 report.update(dtype=str(engine.dtype), layer=engine.layer_backend, attention=engine.attention_backend)
+report["paths"] = engine.describe()
 out = engine.generate([[1, 2, 3, 4, 5]], SamplingParams(max_new_tokens=4, ignore_eos=True))[0]
 report["tokens"] = len(out.token_ids)
 try:
@@ -110,4 +113,18 @@ def test_an_avx2_build_runs_what_an_avx2_cpu_runs(tiny_llama_dir: Path) -> None:
     assert report["bgmv_packed_"] == "bgmv_packed_: built without AVX512-BF16"
     assert (report["dtype"], report["layer"], report["attention"]) == ("torch.float32", "torch", "cpu_kernel")
     assert report["tokens"] == 4
+    # what the start-up log line (and /v1/debug/engine) tells a user of such a machine
+    assert "capped by LORAPLANE_CPU_ISA=avx2), kernels built for avx2; float32;" in report["paths"]
+    assert report["paths"].endswith("attention cpu_kernel, layers torch, LoRA torch"), report["paths"]
     assert "needs AVX-512 BF16; the CPU kernels were built for avx2" in report["refused"]
+
+
+@pytest.mark.requires_avx512_bf16
+def test_the_engine_logs_the_paths_it_picked_at_start(tiny_llama_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """One line at start says what runs where: the CPU and its flags, the kernels' ISA, dtype, every backend."""
+    with caplog.at_level(logging.INFO, logger="loraplane.engine"):
+        engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="bfloat16", num_kv_blocks=16))
+    lines = [r.getMessage() for r in caplog.records if r.name == "loraplane.engine"]
+    assert lines == [f"engine: {engine.describe()}"]
+    assert cpu_features.cpu_model() in lines[0] and "kernels built for avx512_bf16; bfloat16;" in lines[0]
+    assert lines[0].endswith("attention cpu_kernel, layers cpu_kernel (one call per decoder layer), LoRA cpu_kernel")

@@ -304,9 +304,10 @@ async def debug_engine(request: Request) -> dict:
     state = get_state(request)
     snap = await state.snapshot()
     life = state.lifecycle
-    _, front = state.require_engine()
+    engine, front = state.require_engine()
     return {
         **snap.to_dict(),
+        "paths": engine.describe(),  # the CPU, dtype, kernels' ISA and backends it picked at start
         "num_streams": front.num_streams,
         "phase": life.phase.value,
         "num_http_waiting": life.num_waiting,

@@ -127,6 +127,11 @@ def isa() -> str | None:
     return _state.get("isa")  # type: ignore[return-value]
 
 
+def loaded_isa() -> str | None:
+    """isa() of a library already loaded, without building or loading one (None if none is)."""
+    return _state.get("isa") if _state.get("ok") else None  # type: ignore[return-value]
+
+
 def has_bf16_kernels() -> bool:
     """Whether the library holds the bf16 fast paths (BGMV, prefill attention, the vdpbf16ps linear
     and layer ops): built for AVX-512 BF16, on a CPU that has it."""
