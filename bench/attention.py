@@ -25,8 +25,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from common import machine as common_machine  # bench/ is on sys.path when run as a script
 
-from loraplane_server import cpu_features
 from loraplane_server.layers import cpu_kernels
 
 LAYERS, BLOCK, KV_HEADS, HEADS, HEAD_DIM = 30, 16, 3, 9, 64  # SmolLM2-135M, the engine's block size
@@ -94,12 +94,7 @@ def main() -> None:
         torch.set_num_threads(threads)
         results += [{"threads": threads, **measure(n, args.repeats, seed=n)} for n in args.seqs]
     torch.set_num_threads(threads0)
-    machine = {
-        "torch": torch.__version__,
-        "cpu_count": threads0,
-        **cpu_features.record(),
-        "kernel_isa": cpu_kernels.isa(),
-    }
+    machine = common_machine(torch_threads_at_start=threads0)
     out = {"machine": machine, "results": results}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1))

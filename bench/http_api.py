@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import platform
 import random
 import shutil
@@ -36,10 +35,9 @@ from pathlib import Path
 
 import httpx
 import torch
-from common import free_port, percentile, pyplot, wait_ready  # bench/ is on sys.path when run as a script
+from common import free_port, machine, percentile, pyplot, wait_ready  # bench/ is on sys.path when run as a script
 from safetensors.torch import load_file, save_file
 
-from loraplane_server import cpu_features
 from loraplane_server.builtin import resolve_model
 from loraplane_server.config import EngineConfig
 from loraplane_server.engine import LLMEngine
@@ -281,8 +279,7 @@ def main() -> int:
     ratio = round(remote["tokens_per_s"] / local["tokens_per_s"], 3)
     result = {
         "workload": asdict(w), "dtype": args.dtype, "threads": args.threads,
-        "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpu_count": os.cpu_count(),
-                    "torch": torch.__version__, **cpu_features.record()},
+        "machine": machine(platform=platform.platform()),
         "in_process": local, "http": remote, "throughput_ratio": ratio, "target_ratio": TARGET_RATIO,
         "meets_target": ratio >= TARGET_RATIO,
     }  # fmt: skip

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from common import machine  # bench/ is on sys.path when run as a script
 
-from loraplane_server import cpu_features
 from loraplane_server.layers import cpu_kernels
 
 LAYERS = 30
@@ -83,12 +83,7 @@ def main() -> None:
             results.append({"threads": threads, **measure(rows, weights, head, args.repeats)})
     torch.set_num_threads(threads0)
     out = {
-        "machine": {
-            "torch": torch.__version__,
-            "cpu_count": torch.get_num_threads(),
-            **cpu_features.record(),
-            "kernel_isa": cpu_kernels.isa(),
-        },
+        "machine": machine(),
         "engine_uses_kernel_up_to_rows": cpu_kernels.LINEAR_MAX_ROWS,
         "results": results,
     }

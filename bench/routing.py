@@ -16,7 +16,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import random
 import statistics
 import subprocess
@@ -26,10 +25,9 @@ import time
 from pathlib import Path
 
 import httpx
-from common import free_port, pyplot, wait_ready  # bench/ is on sys.path when run as a script
+from common import free_port, machine, pyplot, wait_ready  # bench/ is on sys.path when run as a script
 from http_api import make_adapters
 
-from loraplane_server import cpu_features
 from loraplane_server.builtin import resolve_model
 
 REPO = Path(__file__).resolve().parent.parent
@@ -199,7 +197,7 @@ def main() -> None:
             "pods": 3,
             "max_loras": 4,
         },  # fmt: skip
-        "machine": {"python": platform.python_version(), "cpu_count": os.cpu_count(), **cpu_features.record()},
+        "machine": machine(server_threads=1),
     }
     for mode in ("round_robin", "router"):
         result[mode] = run_mode(mode, work / "adapters", jobs, args, work)
