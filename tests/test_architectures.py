@@ -382,7 +382,7 @@ def test_bf16_follows_the_fp32_model(
         drifts.append((torch.tensor(out.logprobs) - chosen).abs())
     gap, drift = torch.cat(gaps), torch.cat(drifts)
     assert float((gap < 1e-4).float().mean()) >= 0.9, gap.topk(3).values  # a lost feature flips far more
-    # bf16 moves a logprob by up to ~0.25 (tests/test_cpu_linear.py); these tiny models stay under 0.04
+    # bf16 moves a logprob by up to ~0.25 (tests/kernels/test_cpu_linear.py); these tiny models stay under 0.04
     assert gap.max() < 0.5 and drift.max() < 0.25, (gap.topk(3).values, drift.topk(3).values)
 
 

@@ -1,8 +1,8 @@
 // One decoder layer of the Llama family in one op call, for bf16 on the CPU: the same kernels the
 // Python layer calls (ops.h), in the same order on the same intermediate tensors, so the result is
-// bit-for-bit the Python path's (tests/test_cpu_decoder_layer.py). What it saves is the Python
-// between them: a 64-row decode step ran ~12 op calls, their argument parsing and the module glue
-// per layer, ~4-7% of the step (README, bench/multi_lora.py).
+// bit-for-bit the Python path's (tests/kernels/test_cpu_decoder_layer.py). What it saves is the
+// Python between them: ~12 op calls a layer, their argument parsing and the module glue
+// (docs/kernels.md).
 //
 //   a  = attention(rotary(qkv(h) + lora_qkv), paged KV cache)   write this step's k, v; decode rows
 //        first (one batched call), then each prefill chunk over its cached context

@@ -4,11 +4,9 @@
 // Two paths, chosen by the number of rows M:
 //
 // * M <= kFewRows: a linear layer reads its whole weight to do a few FLOPs per byte, so its speed
-//   is the speed at which the weight streams in. Measured on this project's CPU (AMD EPYC,
-//   AVX512-BF16), torch's bf16 GEMM streams a weight at 7-13 GB/s there, while a plain
-//   sequential read runs at 20-27 GB/s. This path walks W one row at a time (the whole matrix in
-//   address order, one stream: walking several rows in step halved the read rate on this
-//   machine) and dots the row with up to 4 rows of x at once (vdpbf16ps, horizontal sums). An odd
+//   is the speed at which the weight streams in. This path walks W one row at a time (the whole
+//   matrix in address order, one stream) and dots the row with up to 4 rows of x at once
+//   (vdpbf16ps, horizontal sums). An odd
 //   K (no whole pairs to pack) takes this path at any M, two W rows at a time from 5 rows of x.
 //
 // * more rows: a register-tiled GEMM. x is packed per call into 64-row chunks laid out as
@@ -16,10 +14,8 @@
 //   one zmm load holds the pair (k, k+1) of 16 rows. A tile of NR rows of W, read in place from
 //   its usual [N, K] layout, broadcasts its pair (k, k+1) and feeds MT x NR accumulators (16 rows
 //   of x each): 24 accumulators for MT = 4, NR = 6. No horizontal sums; the next tile of W
-//   (contiguous after this one) is prefetched into L1 while this one computes, which took the
-//   kernel from ~280 to ~340 GFLOPS on 2 cores with weights streaming from DRAM. torch's oneDNN
-//   GEMM runs the same 30 layers + lm_head at ~220 GFLOPS at 64 rows (bench/linear.py); it
-//   packs W per call, which costs most when W streams from memory.
+//   (contiguous after this one) is prefetched into L1 while this one computes. W is never packed
+//   (torch's oneDNN GEMM packs it per call, which costs most when W streams from memory).
 //
 // Output rows are rounded to bf16 once, from the fp32 sum (round to nearest even), as torch's
 // bf16 linear does; the summation order differs from torch's, so results agree to bf16
@@ -30,8 +26,9 @@
 //
 // The MLP's gate_up layer has a fused form, linear_silu_mul_: each GEMM tile takes gate rows with
 // their up rows and writes silu(gate) * up, so the [M, 2I] product never goes to memory and no
-// separate pass reads it back (64 rows: 564 -> 553 us a layer; 300 rows: 2.82 -> 2.64 ms).
+// separate pass reads it back.
 //
+// What each choice measured: docs/kernels.md.
 // Registered as torch.ops.loraplane.linear_ and linear_silu_mul_ (in-place on `out`). Builds
 // without AVX512-BF16 and other dtypes run the same ops over at::linear, so callers never need to ask.
 

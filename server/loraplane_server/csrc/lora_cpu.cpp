@@ -5,8 +5,7 @@
 // A rows and B columns block-diagonally (lora/slots.py), so `proj_rows[s, p]` = (first row, rows)
 // names the A rows and B^T rows of projection p in slot s, and `out_bounds` its output columns:
 // each projection multiplies only its own rows against only its own output columns. An adapter on
-// q and v of q|k|v thus reads 16 rows of A and 8 x 576 + 8 x 192 values of B, not 24 and 24 x 960
-// (a 64-row decode step with 64 adapters: ~2.5x fewer bytes, and it is bound by those bytes).
+// q and v of q|k|v thus reads 16 rows of A and 8 x 576 + 8 x 192 values of B, not 24 and 24 x 960.
 //
 // Decode rows each carry their own slot; prefill rows come in runs of one slot, whose weights then
 // stay in L1/L2 from row to row, so one call covers a whole step. The torch path gathers every
@@ -14,9 +13,8 @@
 // the zero blocks too. Rows are spread over torch's intra-op pool; when the next row's slot differs,
 // its weights are prefetched while this row computes. h = x A^T is rounded to bf16 between the
 // two products, as torch's bf16 matmuls round it, and each output row is rounded once, after the
-// delta is added. A 300-row prefill step on 3 adapters (q, v, rank 8): 91 -> 48 us, a 64-row
-// decode step on 64: 25 -> 18 us, from the B^T pairs below (was a widen + FMA per 16 products)
-// and 8 rank rows per shrink pass (was one at a time, 2 chains).
+// delta is added. The expand takes B^T rows in pairs, the shrink 8 rank rows per pass (what that
+// measured: docs/kernels.md).
 //
 // Registered as torch.ops.loraplane.bgmv_ (in place on `out`). Rows on `skip_slot` (the base
 // model's all-zero slot) are left alone.

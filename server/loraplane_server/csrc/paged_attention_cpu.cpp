@@ -9,22 +9,14 @@
 // about equal context (parallel_by_cost), so torch.set_num_threads governs it like any other op. The query heads of
 // one kv group (GQA) share each key/value row while it is in cache. While a thread works through
 // one sequence's kv heads, it streams the whole blocks of the sequence two places later into L2,
-// a few lines per 16 tokens (bf16 kernel, `Trickle`): with the cache out of L3 (30 layers, 64
-// sequences of ~160 tokens in scattered blocks, 2 threads) a call went from ~860 to ~500 us.
-// Burst prefetches (a block at a time) got only to ~640.
+// a few lines per 16 tokens (bf16 kernel, `Trickle`), which beats burst prefetches of a block.
 //
 // The bf16 kernel updates the softmax once per 128 tokens: the scores of a chunk of blocks first
 // (16 keys at a time per query head, vdpbf16ps, then one interleave-and-add tree for the 16 sums),
 // then one max/exp/rescale per head with a vectorized exp, then the values: the weights rounded
 // to bf16 (as flash-attention kernels do for this product) multiply V with vdpbf16ps, two tokens
-// per instruction, the accumulators of up to 4 heads in registers. The first version of this
-// kernel summed each dot product on its own, assembled the weight pairs in scalar code and left
-// its P V accumulators to the compiler, which kept them on the stack: 64 sequences of ~140
-// tokens, one layer, 2 threads, both versions in one process on a busy machine, went 406 -> 242 us
-// with the bytes in cache, 490 -> 416 us (consecutive blocks) and 711 -> 535 us (scattered) from
-// memory; in workload (b) of bench/multi_lora.py decode attention went 5.1 -> 4.7 s. Out of
-// cache it runs at ~17 GB/s, against ~31 GB/s for a plain sequential read with 2 threads here:
-// the rest is memory.
+// per instruction, the accumulators of up to 4 heads in registers. What each choice measured, and
+// the memory ceiling: docs/kernels.md.
 //
 // Registered as torch.ops.loraplane.paged_decode_attention_ (in-place on `out`); write_kv_ (at the
 // end) puts a step's keys and values into the cache.

@@ -1,10 +1,8 @@
 // Causal attention for one prefill chunk, read from the paged KV cache, bf16 on AVX512-BF16 CPUs.
 //
-// torch's CPU flash attention ran a 400-token prompt (9 heads, 3 kv heads, head_dim 64) at ~50
-// GFLOPS here, a quarter of what the matmuls get; prefill attention was ~25% of a 2,048-token
-// step. This kernel does the same flash-attention algorithm with the dot products laid out for
-// vdpbf16ps, so that no score needs a horizontal sum (measured: 400-token prompt 5.6 -> 2.5 ms,
-// 1,000 tokens 17 -> 12 ms, 300 after 300 cached 5.2 -> 2.9 ms):
+// The flash-attention algorithm with the dot products laid out for vdpbf16ps, so that no score
+// needs a horizontal sum (torch's CPU flash attention does not; what that measured:
+// docs/kernels.md):
 //   - keys go 64 at a time (one softmax update per query row per tile): transposed into (dim
 //     pair, token) order, one instruction multiplies a query's dim pair by 16 keys' dim pairs, and
 //     head_dim/2 of them give 16 scores in one vector;
@@ -21,7 +19,7 @@
 //
 // Registered as torch.ops.loraplane.paged_prefill_attention_ (in place on `out`); shapes the
 // kernel does not cover (other dtypes, head_dim not 64/128, a build without AVX512-BF16) are
-// refused, and the caller (layers/attention.py) keeps its SDPA path for them.
+// refused, and the caller (attention/cpu_kernel.py) keeps its SDPA path for them.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>

@@ -156,7 +156,7 @@ class DecoderLayer(nn.Module):
         f: FusedStep,
     ) -> torch.Tensor:
         """forward() for a layer before the last, as one call to the CPU kernels (bf16): the same kernels
-        in the same order, the same bits (tests/test_cpu_decoder_layer.py)."""
+        in the same order, the same bits (tests/kernels/test_cpu_decoder_layer.py)."""
         attn, mlp = self.self_attn, self.mlp
         weights: list[torch.Tensor | None] = [
             attn.qkv.weight,
