@@ -95,20 +95,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_ready(url: str, proc: subprocess.Popen, log: Path | None = None, timeout: float = 900.0) -> None:
-    """Until the server's /ready answers 200; an error with its log's tail if it exits first."""
+def wait_ready(
+    url: str, proc: subprocess.Popen, log: Path | None = None, timeout: float = 900.0, path: str = "/ready"
+) -> None:
+    """Until GET url+path answers 200; an error with the log's tail if the server exits first or time runs out."""
+
+    def tail() -> str:
+        return log.read_text(errors="replace")[-3000:] if log is not None and log.exists() else ""
+
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            tail = log.read_text()[-3000:] if log is not None and log.exists() else ""
-            raise RuntimeError(f"{url} exited with {proc.returncode}: {tail}")
+            raise RuntimeError(f"{url} exited with {proc.returncode}: {tail()}")
         try:
-            if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
+            if httpx.get(f"{url}{path}", timeout=2).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
         time.sleep(0.25)
-    raise TimeoutError(f"{url} did not become ready in {timeout:.0f} s")
+    raise TimeoutError(f"{url}{path} did not become ready in {timeout:.0f} s: {tail()}")
 
 
 def pyplot() -> ModuleType | None:

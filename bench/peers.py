@@ -60,7 +60,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from common import free_port, machine, pyplot, write_result  # bench/ is on sys.path
+from common import free_port, machine, pyplot, wait_ready, write_result  # bench/ is on sys.path
 from multi_lora import QUICK, Requests, Workload, adapter_id, make_requests, make_template, write_variants
 
 REPO = Path(__file__).resolve().parent.parent
@@ -234,18 +234,11 @@ def start_proc(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> 
 
 
 def wait_http(url: str, path: str, proc: subprocess.Popen, log: Path, timeout: float) -> None:
-    """Until GET url+path answers 200; a PeerError with the log's tail if the process exits or time runs out."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise PeerError(f"{url} exited with {proc.returncode}: {log.read_text(errors='replace')[-2500:]}")
-        try:
-            if httpx.get(f"{url}{path}", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise PeerError(f"{url}{path} not ready after {timeout:.0f} s: {log.read_text(errors='replace')[-2500:]}")
+    """common.wait_ready on url+path, its failure as a PeerError (the bench then reports the others)."""
+    try:
+        wait_ready(url, proc, log, timeout, path=path)
+    except (RuntimeError, TimeoutError) as error:
+        raise PeerError(str(error)) from error
 
 
 def stop(proc: subprocess.Popen) -> None:
