@@ -95,8 +95,8 @@ def pytest_report_header() -> str:
 def pytest_runtest_setup(item: pytest.Item) -> None:
     """The instruction-set markers, asked of the kernel library itself (what it was built for, which
     LORAPLANE_CPU_ISA=avx2 caps), so a test runs exactly where the engine would take its path."""
-    needs_kernels = item.get_closest_marker("requires_cpu_kernels") or item.get_closest_marker("requires_avx512_bf16")
+    needs_kernels = item.get_closest_marker("requires_cpu_kernels") or item.get_closest_marker("requires_bf16_kernels")
     if needs_kernels and not cpu_kernels.load():
         pytest.skip(f"the CPU kernels did not build: {cpu_kernels.load_error()}")
-    if item.get_closest_marker("requires_avx512_bf16") and not cpu_kernels.has_bf16_kernels():
+    if item.get_closest_marker("requires_bf16_kernels") and not cpu_kernels.has_bf16_kernels():
         pytest.skip(cpu_kernels.missing_bf16_kernels())

@@ -350,7 +350,7 @@ def test_multimodal_gemma3_adapters_map_to_the_language_model(model_dirs: dict[s
         load_lora(tmp_path / "text-only", "vision", args, 16, torch.float32)
 
 
-@pytest.mark.requires_avx512_bf16
+@pytest.mark.requires_bf16_kernels
 @pytest.mark.parametrize("variant", ["qwen3", "phi3-longrope", "phi3-longrope-full", "gemma3", "gemma3-linear", "phi3"])
 def test_bf16_follows_the_fp32_model(
     variant: str, model_dirs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch

@@ -192,7 +192,7 @@ PATHS = {
         dtype=torch.bfloat16,
         packed=True,
         backend=CPUKernelBackend,
-        marks=[pytest.mark.requires_avx512_bf16, pytest.mark.requires_cpu_kernels],
+        marks=[pytest.mark.requires_bf16_kernels, pytest.mark.requires_cpu_kernels],
     ),
 }
 

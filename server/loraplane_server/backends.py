@@ -51,8 +51,8 @@ def resolve_backends(config: EngineConfig, device: torch.device, dtype: torch.dt
 
 def _layer_kernels(requested: str, device: torch.device, dtype: torch.dtype) -> bool:
     """auto: the compiled bf16 layer kernels (linear, fused norm/rotary/activation, BGMV, the one-call
-    decoder layer) on the CPU in bf16 when the library holds them (built for AVX-512 BF16); torch
-    otherwise."""
+    decoder layer) on the CPU in bf16 when the library holds them (built for AVX-512 BF16 or AVX2);
+    torch otherwise."""
     if requested == "cpu_kernel":
         if device.type != "cpu":
             raise ValueError("layer_backend=cpu_kernel runs on the CPU only")
@@ -62,7 +62,7 @@ def _layer_kernels(requested: str, device: torch.device, dtype: torch.dtype) -> 
             raise RuntimeError(f"layer_backend=cpu_kernel: the kernel did not build: {cpu_kernels.load_error()}")
         if not cpu_kernels.has_bf16_kernels():
             raise RuntimeError(
-                f"layer_backend=cpu_kernel needs AVX-512 BF16; {cpu_kernels.missing_bf16_kernels()}. "
+                f"layer_backend=cpu_kernel needs the kernels' bf16 paths; {cpu_kernels.missing_bf16_kernels()}. "
                 "Use layer_backend auto or torch."
             )
         return True

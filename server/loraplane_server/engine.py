@@ -47,9 +47,12 @@ log = logging.getLogger("loraplane.engine")
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """auto: bf16 on CUDA and on CPUs with bf16 dot products (AVX-512 BF16, AMX), fp32 elsewhere."""
+    """auto: bf16 on CUDA, on CPUs with bf16 dot products (AVX-512 BF16, AMX) and where the CPU kernels
+    have their bf16 paths (AVX2: half the bytes of fp32 per weight and KV row); fp32 elsewhere (torch's
+    own bf16 kernels without either are slower than its fp32 ones)."""
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" or cpu_features.has_bf16_compute() else torch.float32
+        fast_bf16 = cpu_features.has_bf16_compute() or (device.type == "cpu" and cpu_kernels.has_bf16_kernels())
+        return torch.bfloat16 if device.type == "cuda" or fast_bf16 else torch.float32
     return getattr(torch, name)
 
 

@@ -70,7 +70,7 @@ def run_engine(model_dir: Path, adapters: dict[str, Path], fused: bool) -> tuple
     return steps, calls
 
 
-@pytest.mark.requires_avx512_bf16
+@pytest.mark.requires_bf16_kernels
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])  # qwen2: biases on q, k, v
 def test_fused_layer_equals_the_python_layer(kind: str, tmp_path: Path) -> None:
     # head_dim 64 (the prefill kernel's), 4 query heads on 2 kv heads

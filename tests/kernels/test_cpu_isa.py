@@ -119,7 +119,7 @@ def test_an_avx2_build_runs_what_an_avx2_cpu_runs(tiny_llama_dir: Path) -> None:
     assert "needs AVX-512 BF16; the CPU kernels were built for avx2" in report["refused"]
 
 
-@pytest.mark.requires_avx512_bf16
+@pytest.mark.requires_bf16_kernels
 def test_the_engine_logs_the_paths_it_picked_at_start(tiny_llama_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
     """One line at start says what runs where: the CPU and its flags, the kernels' ISA, dtype, every backend."""
     with caplog.at_level(logging.INFO, logger="loraplane.engine"):

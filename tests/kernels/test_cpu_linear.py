@@ -122,7 +122,7 @@ def test_fused_silu_on_strided_rows_and_other_dtypes() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("linear", [pytest.param("cpu_kernel", marks=pytest.mark.requires_avx512_bf16), "torch"])
+@pytest.mark.parametrize("linear", [pytest.param("cpu_kernel", marks=pytest.mark.requires_bf16_kernels), "torch"])
 def test_bf16_engine_follows_the_fp32_model(linear: str, smollm2_dir: Path) -> None:
     """bf16 greedy output cannot equal fp32 token for token, so check it the other way: score the
     engine's own output with transformers in fp32 (teacher forcing). Nearly every token the engine

@@ -14,7 +14,7 @@ from loraplane_server.layers import cpu_kernels
 from loraplane_server.lora.backends import TorchBackend
 from loraplane_server.sampling_params import SamplingParams
 
-pytestmark = pytest.mark.requires_cpu_kernels  # the BGMV kernels themselves: requires_avx512_bf16
+pytestmark = pytest.mark.requires_cpu_kernels  # the BGMV kernels themselves: requires_bf16_kernels
 
 
 def reference_delta(
@@ -30,7 +30,7 @@ def reference_delta(
     return delta
 
 
-@pytest.mark.requires_avx512_bf16
+@pytest.mark.requires_bf16_kernels
 @pytest.mark.parametrize(
     ("k", "bounds", "rank"),
     [(576, [0, 576, 768, 960], 8), (576, [0, 1536, 3072], 16), (1536, [0, 576], 8), (100, [0, 20, 20, 37], 5)],
@@ -113,7 +113,7 @@ def pack(
     return packed, proj
 
 
-@pytest.mark.requires_avx512_bf16
+@pytest.mark.requires_bf16_kernels
 def test_bgmv_packed_refuses_runs_outside_the_slot() -> None:
     packed = torch.zeros(3, 40, dtype=torch.bfloat16)
     x, out = torch.zeros(2, 8, dtype=torch.bfloat16), torch.zeros(2, 6, dtype=torch.bfloat16)
@@ -149,7 +149,7 @@ def test_bgmv_refuses_bad_slots_and_shapes() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.requires_avx512_bf16
+@pytest.mark.requires_bf16_kernels
 def test_bf16_engine_with_many_adapters_follows_peft_fp32(
     smollm2_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

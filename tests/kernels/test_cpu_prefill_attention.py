@@ -7,7 +7,7 @@ import torch
 
 from loraplane_server.layers import cpu_kernels
 
-pytestmark = pytest.mark.requires_cpu_kernels  # the kernel itself: requires_avx512_bf16
+pytestmark = pytest.mark.requires_cpu_kernels  # the kernel itself: requires_bf16_kernels
 
 
 def make_chunk(
@@ -40,7 +40,7 @@ def reference(
     return torch.einsum("hnl,lhd->nhd", scores.softmax(-1), values)
 
 
-@pytest.mark.requires_avx512_bf16
+@pytest.mark.requires_bf16_kernels
 @pytest.mark.parametrize(
     ("n", "ctx", "heads", "kv_heads", "head_dim", "block_size"),
     [
@@ -68,7 +68,7 @@ def test_matches_fp32_causal_attention(
     torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.requires_avx512_bf16
+@pytest.mark.requires_bf16_kernels
 def test_writes_strided_rows_in_place_and_is_thread_invariant() -> None:
     q, k_cache, v_cache, table = make_chunk(50, 20, 9, 3, 64, 16, seed=1)
     wide = torch.zeros(50, 12, 64, dtype=torch.bfloat16)  # q as a view into a wider projection output

@@ -1,7 +1,10 @@
 // Pieces shared by the CPU kernels in this directory.
 //
-// LORAPLANE_AVX512_BF16 is defined when the build targets a CPU with AVX512-BF16 (the kernels are
-// compiled with -march=native on the machine that runs them); the bf16 fast paths live behind it.
+// One library, one fast path per instruction set: LORAPLANE_AVX512_BF16 is defined when the build
+// targets AVX-512 BF16 (vdpbf16ps: a bf16 pair product summed into fp32 in one instruction),
+// LORAPLANE_AVX2 when it targets AVX2 + FMA alone (x86-64-v3: the same pair product as two FMAs
+// over the pair's halves widened to fp32 by a 16-bit shift, avx2::dot_pairs). Each kernel's bf16
+// path has one body per ISA over the primitives below, and a portable body (or torch) elsewhere.
 
 #pragma once
 
@@ -17,13 +20,16 @@
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
 #define LORAPLANE_AVX512_BF16 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define LORAPLANE_AVX2 1
 #endif
 
 // The instruction set the kernels were compiled for, as loraplane::isa reports it to Python
 // (layers/cpu_kernels.py): the engine calls the bf16 fast paths only where this says avx512_bf16.
 #if defined(LORAPLANE_AVX512_BF16)
 #define LORAPLANE_ISA "avx512_bf16"
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif defined(LORAPLANE_AVX2)
 #define LORAPLANE_ISA "avx2"
 #else
 #define LORAPLANE_ISA "generic"
@@ -132,6 +138,124 @@ __attribute__((always_inline)) inline __m256i silu_mul16(__m512 gate, __m512 up)
   const __m512 e = exp_clamped16(_mm512_sub_ps(_mm512_setzero_ps(), gate));
   return (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_div_ps(gate, _mm512_add_ps(_mm512_set1_ps(1.f), e)), up));
 }
+#endif
+
+#ifdef LORAPLANE_AVX2
+// The AVX2 vector layer: 8 fp32 lanes per __m256, bf16 as 16 values (8 pairs) per __m256i. AVX2
+// has no 16-bit masked loads or stores, so a partial chunk goes through a small zeroed buffer.
+namespace avx2 {
+
+// 16 bf16 from p (their bits); past n (< 16) the lanes are zero, so a partial chunk adds nothing.
+__attribute__((always_inline)) inline __m256i load16_bf16(const c10::BFloat16* p, int64_t n) {
+  if (n >= 16) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  alignas(32) uint16_t buf[16] = {};
+  std::memcpy(buf, p, static_cast<size_t>(std::max<int64_t>(n, 0)) * 2);
+  return _mm256_load_si256(reinterpret_cast<const __m256i*>(buf));
+}
+
+// The even-indexed (0, 2, ..) and odd-indexed (1, 3, ..) values of 16 bf16 bits as 8 fp32 each: a
+// pair (2i, 2i + 1) is one 32-bit lane, its low half the even value.
+__attribute__((always_inline)) inline __m256 even_f32(__m256i bits) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(bits, 16));
+}
+__attribute__((always_inline)) inline __m256 odd_f32(__m256i bits) {
+  return _mm256_castsi256_ps(_mm256_and_si256(bits, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+
+// acc[i] += a[2i] b[2i] + a[2i+1] b[2i+1] with a, b given as their even and odd halves: what
+// vdpbf16ps does in one instruction, as two FMAs (the products are exact in fp32; the sum rounds
+// once per FMA where vdpbf16ps rounds once per pair).
+__attribute__((always_inline)) inline __m256 dot_pairs(__m256 acc, __m256 a_even, __m256 a_odd, __m256 b_even,
+                                                      __m256 b_odd) {
+  return _mm256_fmadd_ps(a_odd, b_odd, _mm256_fmadd_ps(a_even, b_even, acc));
+}
+
+// 8 bf16 bits (a __m128i) widened to fp32.
+__attribute__((always_inline)) inline __m256 bf16x8_to_f32(__m128i bits) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+
+// 8 bf16 from p widened to fp32; past n (< 8) the lanes are zero.
+__attribute__((always_inline)) inline __m256 load8_bf16_as_f32(const c10::BFloat16* p, int64_t n) {
+  if (n >= 8) return bf16x8_to_f32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  alignas(16) uint16_t buf[8] = {};
+  std::memcpy(buf, p, static_cast<size_t>(std::max<int64_t>(n, 0)) * 2);
+  return bf16x8_to_f32(_mm_load_si128(reinterpret_cast<const __m128i*>(buf)));
+}
+
+// 8 fp32 rounded to bf16 (nearest even; NaN stays a quiet NaN), as c10::BFloat16(float) rounds,
+// in the low 16 bits of each 32-bit lane.
+__attribute__((always_inline)) inline __m256i round_to_bf16_lanes(__m256 x) {
+  const __m256i u = _mm256_castps_si256(x);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+  return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
+}
+
+// 8 fp32 rounded to bf16, packed into 8 16-bit values in order.
+__attribute__((always_inline)) inline __m128i f32x8_to_bf16(__m256 x) {
+  const __m256i r = round_to_bf16_lanes(x);
+  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+
+// 16 fp32 (lo: values 0..7, hi: 8..15) rounded to 16 bf16 in order.
+__attribute__((always_inline)) inline __m256i f32x16_to_bf16(__m256 lo, __m256 hi) {
+  const __m256i packed = _mm256_packus_epi32(round_to_bf16_lanes(lo), round_to_bf16_lanes(hi));
+  return _mm256_permute4x64_epi64(packed, 0xD8);  // packus works per 128-bit lane: restore the order
+}
+
+// The first n (<= 8) of 8 bf16 values to p.
+__attribute__((always_inline)) inline void store8_bf16(c10::BFloat16* p, __m128i bits, int64_t n) {
+  if (n >= 8) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), bits);
+    return;
+  }
+  alignas(16) uint16_t buf[8];
+  _mm_store_si128(reinterpret_cast<__m128i*>(buf), bits);
+  std::memcpy(p, buf, static_cast<size_t>(std::max<int64_t>(n, 0)) * 2);
+}
+
+__attribute__((always_inline)) inline float hsum(__m256 x) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+
+// The largest of 8 lanes.
+__attribute__((always_inline)) inline float hmax(__m256 x) {
+  const __m128 s = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  const __m128 t = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(t, _mm_movehdup_ps(t)));
+}
+
+// exp(x) for x <= 88 on 8 lanes, as exp_clamped (the same reduction and polynomial, so the same
+// bits as the AVX-512 exp_nonpositive): 2^n * e^r, |r| <= ln2/2; below -87 it gives ~1e-38.
+__attribute__((always_inline)) inline __m256 exp_clamped8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860682030941723212e-6f), r);
+  __m256 p = _mm256_set1_ps(1.f / 720.f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  // 2^n in the exponent bits (n in [-126, 127] after the clamp): n + 127 shifted into place
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// silu(gate) * up on 8 fp32 lanes (an exact divide), rounded to bf16 once, as silu_mul16.
+__attribute__((always_inline)) inline __m128i silu_mul8(__m256 gate, __m256 up) {
+  const __m256 e = exp_clamped8(_mm256_sub_ps(_mm256_setzero_ps(), gate));
+  return f32x8_to_bf16(_mm256_mul_ps(_mm256_div_ps(gate, _mm256_add_ps(_mm256_set1_ps(1.f), e)), up));
+}
+
+}  // namespace avx2
 #endif
 
 }  // namespace loraplane_cpu

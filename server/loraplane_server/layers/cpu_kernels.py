@@ -11,9 +11,9 @@ When no compiler is available or the build fails, `load()` returns False with th
 `load_error()` and the engine keeps its torch paths.
 
 The library reports the instruction set it was compiled for (`isa()`). Every op runs on any x86
-CPU, but the bf16 LoRA (BGMV) and prefill-attention kernels exist only in an AVX-512 BF16 build,
-and the other ops are fast only there: `has_bf16_kernels()` is the one question the engine and the
-tests ask before taking those paths.
+CPU; the bf16 fast paths (linear, LoRA (BGMV), decode and prefill attention, the layer ops) exist
+in an AVX-512 BF16 build (vdpbf16ps) and in an AVX2 build (FMA over bf16 widened to fp32), and
+`has_bf16_kernels()` is the one question the engine and the tests ask before taking them.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ LINEAR_MAX_ROWS = 1024
 # -fopenmp: at::parallel_for is an OpenMP pragma in torch's headers; without it the kernel runs on
 # one thread. The extension then links libgomp.so.1, which resolves to the copy torch already loaded.
 LDFLAGS = ["-fopenmp"]
-BF16_ISA = "avx512_bf16"  # the build whose library holds the bf16 fast paths
+BF16_ISAS = ("avx512_bf16", "avx2")  # the builds whose library holds the bf16 fast paths
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 
@@ -133,16 +133,16 @@ def loaded_isa() -> str | None:
 
 
 def has_bf16_kernels() -> bool:
-    """Whether the library holds the bf16 fast paths (BGMV, prefill attention, the vdpbf16ps linear
-    and layer ops): built for AVX-512 BF16, on a CPU that has it."""
-    return isa() == BF16_ISA
+    """Whether the library holds the bf16 fast paths (linear, BGMV, decode and prefill attention, the
+    layer ops): built for AVX-512 BF16 or for AVX2 (x86-64-v3), on a CPU that has it."""
+    return isa() in BF16_ISAS
 
 
 def missing_bf16_kernels() -> str:
     """Why has_bf16_kernels() is False, in words a user can act on."""
     if not load():
         return f"the CPU kernels did not build: {load_error()}"
-    return f"the CPU kernels were built for {isa()}, as this CPU has no AVX-512 BF16: {cpu_features.describe()}"
+    return f"the CPU kernels were built for {isa()}, as this CPU has neither AVX-512 BF16 nor AVX2: {cpu_features.describe()}"
 
 
 def paged_decode_attention(
@@ -211,7 +211,7 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
 
 
 def prefill_kernel_applies(q: torch.Tensor) -> bool:
-    """Whether paged_prefill_attention covers q: bf16, head_dim 64 or 128, a build for AVX512-BF16."""
+    """Whether paged_prefill_attention covers q: bf16, head_dim 64 or 128, a build with the bf16 paths."""
     return prefill_kernel_applies_to(q.dtype, q.shape[-1])
 
 
