@@ -2,14 +2,18 @@
 `LORAPLANE_CPU_ISA`.
 
 The project's machines differ in CPU (some with AVX-512 BF16, some with AVX2 alone), and so do its
-users'. Every decision that depends on the instruction set (the dtype `auto` picks, the flags the
-CPU kernels are compiled with, which kernels the engine calls) reads it here, so that one switch
+users'. Every decision that depends on the instruction set (the dtype `auto` picks, which build of the
+CPU kernels loads, which kernels the engine calls) reads it here, at run time, so that one switch
 moves them all together:
 
     LORAPLANE_CPU_ISA=native   (default) what the CPU reports
     LORAPLANE_CPU_ISA=avx2     behave as an AVX2-only CPU (x86-64-v3: AVX2, FMA, F16C, no AVX-512):
-                               the AVX-512 and AMX flags are hidden and the kernels are compiled for
-                               x86-64-v3, so an AVX-512 machine runs exactly the code an AVX2 one does
+                               the AVX-512 and AMX flags are hidden and the x86-64-v3 build of the
+                               kernels loads, so an AVX-512 machine runs exactly the code an AVX2 one does
+
+The kernels are built per named target (`KERNEL_TARGETS`), never for `-march=native`: the build for
+a target runs on every CPU that has the target's flags, so one image or one shared cache serves a
+node pool of mixed CPUs, each node loading the best target its CPU has (`kernel_target()`).
 
 (`make test-avx2` runs the engine's tests that way; set ATEN_CPU_CAPABILITY=avx2 beside it to cap
 torch's own kernels as well.)
@@ -72,11 +76,29 @@ def has_bf16_compute() -> bool:
     return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 
-def march_flags() -> list[str]:
-    """The compiler's target flags for the CPU kernels."""
-    if isa_cap() == "avx2":
-        return ["-march=x86-64-v3", "-mtune=native"]
-    return ["-march=native"]
+# the kernels' build targets, best first: (the CPU flags a target needs, its compiler flags)
+KERNEL_TARGETS: dict[str, tuple[frozenset[str], tuple[str, ...]]] = {
+    # x86-64-v4 (AVX-512 F, BW, CD, DQ, VL) with AVX-512 BF16: Zen 4 and later, Sapphire Rapids and later
+    "avx512_bf16": (
+        frozenset({"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx512_bf16", "avx2", "fma"}),
+        ("-march=x86-64-v4", "-mavx512bf16", "-mtune=generic"),
+    ),
+    # x86-64-v3: Haswell (2013) and later, Zen 1 and later; most cloud VMs and laptops
+    "avx2": (frozenset({"avx2", "fma", "f16c", "bmi1", "bmi2", "movbe"}), ("-march=x86-64-v3", "-mtune=generic")),
+    # any x86-64: every op runs, none of the bf16 fast paths exists
+    "generic": (frozenset(), ("-march=x86-64", "-mtune=generic")),
+}
+
+
+def kernel_target() -> str:
+    """The best of KERNEL_TARGETS this CPU (capped by LORAPLANE_CPU_ISA) can run."""
+    flags = cpu_flags()
+    return next(name for name, (needs, _) in KERNEL_TARGETS.items() if needs <= flags)
+
+
+def march_flags(target: str | None = None) -> list[str]:
+    """The compiler's target flags for the CPU kernels' build for `target` (this CPU's by default)."""
+    return list(KERNEL_TARGETS[target or kernel_target()][1])
 
 
 def describe() -> str:

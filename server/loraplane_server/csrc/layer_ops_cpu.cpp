@@ -119,6 +119,38 @@ void add_rms_norm_(at::Tensor& out, at::Tensor& residual, const c10::optional<at
         }
         continue;
       }
+#elif defined(LORAPLANE_AVX2)
+      // the same two passes, 8 lanes at a time (the scalar passes below do not vectorize their
+      // bf16 rounding as well)
+      if (n % 8 == 0) {
+        using namespace loraplane_cpu::avx2;
+        const auto* rb = reinterpret_cast<const c10::BFloat16*>(ri);
+        const uint16_t* di = d != nullptr ? d + i * sd : nullptr;
+        __m256 sq = _mm256_setzero_ps(), sq2 = _mm256_setzero_ps();
+        for (int64_t j = 0; j < n; j += 8) {
+          __m256 x = load8_bf16_as_f32(rb + j, 8);
+          if (di != nullptr) {
+            const __m128i sum =
+                f32x8_to_bf16(_mm256_add_ps(x, load8_bf16_as_f32(reinterpret_cast<const c10::BFloat16*>(di + j), 8)));
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(ri + j), sum);
+            x = bf16x8_to_f32(sum);
+          }
+          if ((j / 8) % 2 == 0)  // two chains for the FMA latency
+            sq = _mm256_fmadd_ps(x, x, sq);
+          else
+            sq2 = _mm256_fmadd_ps(x, x, sq2);
+        }
+        const __m256 inv =
+            _mm256_set1_ps(1.f / std::sqrt(hsum(_mm256_add_ps(sq, sq2)) / static_cast<float>(n) + feps));
+        uint16_t* oi = o + i * so;
+        const auto* wb = reinterpret_cast<const c10::BFloat16*>(w);
+        for (int64_t j = 0; j < n; j += 8) {
+          const __m256 normed = bf16x8_to_f32(f32x8_to_bf16(_mm256_mul_ps(load8_bf16_as_f32(rb + j, 8), inv)));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(oi + j),
+                           f32x8_to_bf16(_mm256_mul_ps(load8_bf16_as_f32(wb + j, 8), normed)));
+        }
+        continue;
+      }
 #endif
       if (d != nullptr) {
         const uint16_t* di = d + i * sd;
@@ -198,6 +230,15 @@ void silu_mul_(at::Tensor& out, const at::Tensor& gate_up) {
         const __m512 x = load16_bf16_as_f32(reinterpret_cast<const c10::BFloat16*>(gt + j), n);
         const __m512 up = load16_bf16_as_f32(reinterpret_cast<const c10::BFloat16*>(gt + I + j), n);
         _mm256_mask_storeu_epi16(ot + j, static_cast<__mmask16>((1u << n) - 1), loraplane_cpu::silu_mul16(x, up));
+      }
+#elif defined(LORAPLANE_AVX2)
+      // 8 lanes at a time with silu_mul8, the same bits as linear_silu_mul_'s AVX2 epilogue
+      using namespace loraplane_cpu::avx2;
+      const auto* gb = reinterpret_cast<const c10::BFloat16*>(gt);
+      for (int64_t j = 0; j < I; j += 8) {
+        const int64_t n = std::min<int64_t>(8, I - j);
+        store8_bf16(reinterpret_cast<c10::BFloat16*>(ot + j),
+                    silu_mul8(load8_bf16_as_f32(gb + j, n), load8_bf16_as_f32(gb + I + j, n)), n);
       }
 #else
 #pragma omp simd

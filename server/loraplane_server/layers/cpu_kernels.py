@@ -4,9 +4,13 @@ register-tiled GEMM for more), and the fused elementwise parts of
 a decoder layer (RMSNorm with the residual add, rotary, SiLU-and-multiply) and LoRA for the rows
 of many adapters (BGMV); bf16.
 
-The sources are compiled with torch's extension builder into the user cache
-(`cache_root()/kernels`), keyed by the sources, torch's version, the CPU's flags and the compiler
-flags (it is built for this CPU, or for x86-64-v3 under LORAPLANE_CPU_ISA=avx2: cpu_features.py).
+The sources are compiled for a named target (cpu_features.KERNEL_TARGETS: avx512_bf16, avx2,
+generic; never -march=native), and the target is picked at run time from the CPU's flags: `load()`
+takes the best target this CPU runs from a directory of prebuilt ones (`LORAPLANE_KERNELS_DIR`, which
+the server image fills at image build: `python -m loraplane_server.layers.cpu_kernels build`), or
+else from the user cache (`cache_root()/kernels`), building it there on first use (~1 min on 2
+cores) with torch's extension builder. A build is keyed by the target, the sources, torch's version
+and the compiler flags, so one image or one shared cache volume serves nodes of different CPUs.
 When no compiler is available or the build fails, `load()` returns False with the reason in
 `load_error()` and the engine keeps its torch paths.
 
@@ -18,10 +22,14 @@ in an AVX-512 BF16 build (vdpbf16ps) and in an AVX2 build (FMA over bf16 widened
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import logging
 import os
+import subprocess
+import sys
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -48,27 +56,57 @@ LINEAR_MAX_ROWS = 1024
 # one thread. The extension then links libgomp.so.1, which resolves to the copy torch already loaded.
 LDFLAGS = ["-fopenmp"]
 BF16_ISAS = ("avx512_bf16", "avx2")  # the builds whose library holds the bf16 fast paths
+PREBUILT_ENV = "LORAPLANE_KERNELS_DIR"  # a (read-only) directory of prebuilt targets, looked in first
+LIBRARY = "loraplane_cpu_kernels.so"
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 
 
-def cflags() -> list[str]:
-    """-O3, the target (this CPU, or x86-64-v3 under LORAPLANE_CPU_ISA=avx2) and OpenMP."""
-    return ["-O3", *cpu_features.march_flags(), "-fopenmp"]
+def cflags(target: str | None = None) -> list[str]:
+    """-O3, the target's flags (this CPU's best target by default) and OpenMP."""
+    return ["-O3", *cpu_features.march_flags(target), "-fopenmp"]
 
 
-def build_dir() -> Path:
-    root = cache_root() / "kernels"
-    flags = " ".join(cflags() + LDFLAGS)
+def build_dir(target: str | None = None, root: Path | None = None) -> Path:
+    """Where the build for `target` (this CPU's best by default) lives under root (the user cache's
+    kernels/ by default): a folder named by the target and a key of what the binary depends on."""
+    target = target or cpu_features.kernel_target()
+    flags = " ".join(cflags(target) + LDFLAGS)
     sources = [source.read_bytes() for source in SOURCES + HEADERS]
-    cpu = " ".join(sorted(cpu_features.cpu_flags()))
-    parts = [*sources, torch.__version__.encode(), cpu.encode(), flags.encode()]
+    parts = [*sources, torch.__version__.encode(), flags.encode()]
     key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
-    return root / f"loraplane_cpu-{key}"
+    return (root or cache_root() / "kernels") / f"loraplane_cpu-{target}-{key}"
+
+
+def prebuilt(target: str) -> Path | None:
+    """The library of `target` in LORAPLANE_KERNELS_DIR, if that directory holds a build of these
+    sources for it."""
+    root = os.environ.get(PREBUILT_ENV)
+    if not root:
+        return None
+    library = build_dir(target, Path(root)) / LIBRARY
+    return library if library.is_file() else None
+
+
+def _compile(target: str, directory: Path) -> None:
+    """Builds (unless built) and loads the library for `target` in `directory`."""
+    from torch.utils import cpp_extension
+
+    directory.mkdir(parents=True, exist_ok=True)
+    cpp_extension.load(
+        name="loraplane_cpu_kernels",
+        sources=[str(source) for source in SOURCES],
+        extra_cflags=cflags(target),
+        extra_ldflags=list(LDFLAGS),  # the extension builder appends to the list it is given
+        build_directory=str(directory),
+        is_python_module=False,
+        verbose=False,
+    )
 
 
 def load() -> bool:
-    """Builds (first call on this machine, ~1 min) and loads the kernel; True when it is usable."""
+    """Loads the build for this CPU's best target (prebuilt, or built into the user cache on first
+    use, ~1 min); True when it is usable."""
     with _lock:
         if "ok" in _state:
             return bool(_state["ok"])
@@ -76,21 +114,20 @@ def load() -> bool:
             _state.update(ok=False, error="disabled by LORAPLANE_DISABLE_CPU_KERNELS")
             return False
         try:
-            from torch.utils import cpp_extension
-
-            directory = build_dir()
-            directory.mkdir(parents=True, exist_ok=True)
-            if not (directory / "loraplane_cpu_kernels.so").is_file():
-                log.info("building the CPU kernels for %s (once per machine, about a minute)", cpu_features.describe())
-            cpp_extension.load(
-                name="loraplane_cpu_kernels",
-                sources=[str(source) for source in SOURCES],
-                extra_cflags=cflags(),
-                extra_ldflags=list(LDFLAGS),  # the extension builder appends to the list it is given
-                build_directory=str(directory),
-                is_python_module=False,
-                verbose=False,
-            )
+            target = cpu_features.kernel_target()
+            _state["target"] = target
+            library = prebuilt(target)
+            if library is not None:
+                torch.ops.load_library(str(library))
+            else:
+                directory = build_dir(target)
+                if not (directory / LIBRARY).is_file():
+                    log.info(
+                        "building the CPU kernels for target %s on %s (once per target and version, about a minute)",
+                        target,
+                        cpu_features.describe(),
+                    )
+                _compile(target, directory)
             ops = (
                 "paged_decode_attention_",
                 "write_kv_",
@@ -113,6 +150,33 @@ def load() -> bool:
             log.warning("CPU kernels unavailable, using the torch paths: %s", error)
             _state.update(ok=False, error=f"{type(error).__name__}: {error}")
         return bool(_state["ok"])
+
+
+def build(targets: list[str], root: Path) -> dict[str, float]:
+    """Builds each target's library under root (as LORAPLANE_KERNELS_DIR reads it), each in a child
+    process (one process loads one build of the ops); returns the seconds each took. A target this
+    CPU cannot run still builds: the compiler only needs its flags."""
+    seconds = {}
+    for target in targets:
+        started = time.monotonic()
+        directory = build_dir(target, root)
+        command = [
+            sys.executable,
+            "-m",
+            "loraplane_server.layers.cpu_kernels",
+            "build",
+            "--target",
+            target,
+            "--into",
+            str(root),
+            "--in-process",
+        ]
+        subprocess.run(command, check=False)
+        # loading a target the building CPU lacks may fail after the build: the library is what counts
+        if not (directory / LIBRARY).is_file():
+            raise RuntimeError(f"the CPU kernels did not build for {target} in {directory}")
+        seconds[target] = round(time.monotonic() - started, 1)
+    return seconds
 
 
 def load_error() -> str | None:
@@ -142,7 +206,9 @@ def missing_bf16_kernels() -> str:
     """Why has_bf16_kernels() is False, in words a user can act on."""
     if not load():
         return f"the CPU kernels did not build: {load_error()}"
-    return f"the CPU kernels were built for {isa()}, as this CPU has neither AVX-512 BF16 nor AVX2: {cpu_features.describe()}"
+    return (
+        f"the CPU kernels were built for {isa()}: this CPU has neither AVX-512 BF16 nor AVX2: {cpu_features.describe()}"
+    )
 
 
 def paged_decode_attention(
@@ -290,3 +356,23 @@ def decoder_layer(
     return torch.ops.loraplane.decoder_layer_(
         x, h, weights, k_cache, v_cache, step, chunk_tables, chunks, lora, num_decode, *heads, scale, *eps, skip_slot
     )
+
+
+def main(argv: list[str] | None = None) -> None:
+    """python -m loraplane_server.layers.cpu_kernels build [--target T ...] [--into DIR]: the server
+    image's build step (every target, into the directory LORAPLANE_KERNELS_DIR then names)."""
+    parser = argparse.ArgumentParser(prog="python -m loraplane_server.layers.cpu_kernels")
+    parser.add_argument("command", choices=["build"])
+    parser.add_argument("--target", action="append", choices=list(cpu_features.KERNEL_TARGETS))
+    parser.add_argument("--into", type=Path, default=cache_root() / "kernels")
+    parser.add_argument("--in-process", action="store_true", help=argparse.SUPPRESS)  # build()'s child
+    args = parser.parse_args(argv)
+    if args.in_process:
+        _compile(args.target[0], build_dir(args.target[0], args.into))
+        return
+    for target, took in build(args.target or list(cpu_features.KERNEL_TARGETS), args.into).items():
+        print(f"{target}: {build_dir(target, args.into)} ({took} s)")
+
+
+if __name__ == "__main__":
+    main()
