@@ -30,6 +30,11 @@ A system that cannot be installed or started is reported with its error; the oth
 Targets (issue 23): ours/vLLM throughput >= 3, ours/llama.cpp >= 5; latency ours/vLLM <= 0.5 and
 ours/llama.cpp <= 1; ours adapters/base >= 0.9.
 
+On an AVX2-only CPU every system runs its AVX2 code by itself. LORAPLANE_CPU_ISA=avx2 makes an AVX-512
+machine run all three as such a CPU would (cap_env()): ours loads its x86-64-v3 kernels; vLLM is told the
+CPU has no AVX-512 (so it imports its _C_AVX2 kernels) and torch and oneDNN are capped at AVX2; llama.cpp
+is a second build with GGML_NATIVE off and AVX-512 off (AVX, AVX2, FMA, F16C, BMI2 on).
+
 Run: PYTHONPATH=server:operator .venv/bin/python bench/peers.py [--quick] [--systems ours,vllm,llama.cpp]
      [--out bench/out/peers.json] [--rounds 2] [--cache-dir ~/.cache/loraplane-bench]
 The first run installs vLLM (a few GB) and builds llama-server (minutes); every install, build and server
@@ -168,19 +173,52 @@ def ensure_vllm(cache: Path, version: str | None = None) -> dict:
 
 
 # llama.cpp build
+# llama.cpp's CPU flags for an AVX2-only CPU (x86-64-v3), where the native build would use AVX-512
+LLAMA_AVX2_FLAGS = ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
+                    "-DGGML_BMI2=ON", "-DGGML_AVX512=OFF", "-DGGML_AVX512_VBMI=OFF", "-DGGML_AVX512_VNNI=OFF",
+                    "-DGGML_AVX512_BF16=OFF", "-DGGML_AVX_VNNI=OFF", "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF",
+                    "-DGGML_AMX_BF16=OFF"]  # fmt: skip
+# vLLM picks its kernels (_C, _C_AVX512, _C_AVX2) from torch.cpu's AVX-512 probes: under the AVX2 cap a
+# sitecustomize (on its PYTHONPATH, so its engine's subprocesses get it too) makes them answer no
+VLLM_AVX2_SITECUSTOMIZE = """import torch.cpu
+for probe in ("_is_avx512_supported", "_is_avx512_bf16_supported", "_is_avx512_vnni_supported",
+              "_is_amx_tile_supported", "_is_amx_fp16_supported"):
+    if hasattr(torch.cpu, probe):
+        setattr(torch.cpu, probe, lambda: False)
+"""
+
+
+def isa() -> str:
+    """The ISA the bench runs every system at: native, or avx2 under LORAPLANE_CPU_ISA=avx2."""
+    from loraplane_server import cpu_features
+
+    return cpu_features.isa_cap()
+
+
+def cap_env() -> dict[str, str]:
+    """What caps torch and oneDNN (every system's, ours included) at AVX2 under the cap; {} natively."""
+    if isa() != "avx2":
+        return {}
+    return {"LORAPLANE_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+
+
 def ensure_llama_cpp(cache: Path, version: str | None = None) -> dict:
-    """llama-server built from the llama.cpp vendored in the llama-cpp-python sdist (once); {server, src, ...}."""
+    """llama-server built from the llama.cpp vendored in the llama-cpp-python sdist (once per ISA); {server,
+    src, ...}."""
     root = cache / "llama.cpp"
-    marker = root / "loraplane-bench.json"
+    suffix = "" if isa() == "native" else f"-{isa()}"
+    marker = root / f"loraplane-bench{suffix}.json"
     if marker.exists():
         return json.loads(marker.read_text())
     log = cache / "logs" / "llama-cpp-build.log"
     start = time.perf_counter()
     sdist_dir = root / "sdist"
     spec = f"{LLAMA_CPP_PACKAGE}=={version}" if version else LLAMA_CPP_PACKAGE
-    pip = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-d", str(sdist_dir), spec]
-    sh(pip, log)
     found = sorted(sdist_dir.glob("llama_cpp_python-*.tar.gz"), key=lambda p: p.stat().st_mtime)
+    if not found or version:
+        pip = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-d", str(sdist_dir), spec]
+        sh(pip, log)
+        found = sorted(sdist_dir.glob("llama_cpp_python-*.tar.gz"), key=lambda p: p.stat().st_mtime)
     if not found:
         raise PeerError(f"pip download {spec} left no sdist in {sdist_dir}")
     sdist = found[-1]
@@ -191,10 +229,11 @@ def ensure_llama_cpp(cache: Path, version: str | None = None) -> dict:
             vendored = next(Path(tmp).glob("*/vendor/llama.cpp"))
             shutil.rmtree(src, ignore_errors=True)
             shutil.move(vendored, src)
-    build = root / "build"
+    build = root / f"build{suffix}"
     flags = ["-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_TOOLS=ON",
-             "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_OPENSSL=OFF", "-DGGML_NATIVE=ON",
+             "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_OPENSSL=OFF",
              "-DBUILD_SHARED_LIBS=OFF"]  # fmt: skip
+    flags += LLAMA_AVX2_FLAGS if isa() == "avx2" else ["-DGGML_NATIVE=ON"]
     sh(["cmake", "-S", str(src), "-B", str(build), *flags], log)
     sh(["cmake", "--build", str(build), "--target", "llama-server", "-j", str(os.cpu_count() or 1)], log)
     server = build / "bin" / "llama-server"
@@ -280,6 +319,8 @@ class Setup:
     cache: Path
     threads: int  # llama-server -t
     vllm_omp_bind: str = "auto"  # vLLM's default: one core kept for its scheduler process, the rest compute
+    vllm_dtype: str = ""  # vLLM's --dtype; "" = ours'
+    llama_outtype: str = ""  # the GGUF files' type (bf16, f16, f32); "" = ours' dtype
     timeout: float = 1800.0  # seconds for one batch of requests; past it the system is reported failed
 
     @property
@@ -297,6 +338,7 @@ def start_ours(s: Setup) -> Server:
            "--disk-cache-dir", str(s.work / "ours-disk-cache"), "--max-queue", "100000",
            "--admin-token", TOKEN, "--log-level", "warning"]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "server"), str(REPO / "operator")])}
+    env.update(cap_env())
     log = s.work / "ours.log"
     proc = start_proc(cmd, log, env)
     url = f"http://127.0.0.1:{port}"
@@ -319,14 +361,21 @@ def start_vllm(s: Setup) -> Server:
     port = free_port()
     modules = [f"{p.name}={p}" for p in s.adapters]
     cmd = [info["python"], "-m", "vllm.entrypoints.openai.api_server", "--model", str(s.model_dir),
-           "--served-model-name", "base", "--host", "127.0.0.1", "--port", str(port), "--dtype", s.dtype,
+           "--served-model-name", "base", "--host", "127.0.0.1", "--port", str(port),
+           "--dtype", s.vllm_dtype or s.dtype,
            "--max-model-len", str(s.max_model_len), "--max-num-seqs", str(s.w.batch),
            "--enable-lora", "--max-loras", str(len(s.adapters)), "--max-lora-rank", str(s.w.max_lora_rank),
            "--max-cpu-loras", str(len(s.adapters)), "--lora-modules", *modules,
            "--seed", "0"]  # fmt: skip
-    vllm_env = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": s.vllm_omp_bind}
+    vllm_env = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": s.vllm_omp_bind, **cap_env()}
     env = {**os.environ, **vllm_env}
     env.pop("PYTHONPATH", None)
+    if isa() == "avx2":
+        site = s.work / "vllm-avx2-site"
+        site.mkdir(exist_ok=True)
+        (site / "sitecustomize.py").write_text(VLLM_AVX2_SITECUSTOMIZE)
+        env["PYTHONPATH"] = str(site)
+        vllm_env["PYTHONPATH"] = "<a sitecustomize: torch.cpu's AVX-512 and AMX probes answer False>"
     log = s.work / "vllm.log"
     proc = start_proc(cmd, log, env)
     url = f"http://127.0.0.1:{port}"
@@ -340,7 +389,7 @@ def start_vllm(s: Setup) -> Server:
         **{k: v for k, v in info.items() if k != "python"},
         "command": [c for c in cmd[1:] if c not in modules] + [f"<{len(modules)} lora modules>"],
         "env": vllm_env,
-        "dtype": s.dtype,
+        "dtype": s.vllm_dtype or s.dtype,
     }
     return server
 
@@ -393,7 +442,7 @@ def to_gguf(s: Setup, info: dict) -> tuple[Path, list[Path], float]:
     out.mkdir(parents=True, exist_ok=True)
     log = s.cache / "logs" / "gguf-convert.log"
     env: dict[str, str] | None = None
-    outtype = {"bfloat16": "bf16", "float32": "f32"}[s.dtype]
+    outtype = s.llama_outtype or {"bfloat16": "bf16", "float32": "f32"}[s.dtype]
     tag = f"{outtype}-{info['sdist']}"
 
     def convert(script: str, args: list[str], dest: Path) -> Path:
@@ -428,7 +477,7 @@ def start_llama_cpp(s: Setup) -> Server:
     for path in loras:
         cmd += ["--lora", str(path)]
     log = s.work / "llama-cpp.log"
-    proc = start_proc(cmd, log)
+    proc = start_proc(cmd, log, {**os.environ, **cap_env()})
     url = f"http://127.0.0.1:{port}"
 
     async def send(client: httpx.AsyncClient, prompt: list[int], n: int, adapter: str | None) -> int:
@@ -451,7 +500,7 @@ def start_llama_cpp(s: Setup) -> Server:
         **{k: v for k, v in info.items() if k not in ("server", "src")},
         "command": [Path(c).name if c.endswith(".gguf") else c for c in cmd[1 : len(cmd) - 2 * len(loras)]]
         + [f"<{len(loras)} --lora>"],
-        "gguf_outtype": s.dtype,
+        "gguf_outtype": s.llama_outtype or s.dtype,
         "convert_seconds": round(convert_seconds, 1),
     }
     return server
@@ -627,6 +676,8 @@ def run(
     vllm_omp_bind: str,
     timeout: float,
     llama_threads: int,
+    vllm_dtype: str = "",
+    llama_outtype: str = "",
 ) -> dict:
     import torch
 
@@ -638,7 +689,8 @@ def run(
     template = make_template(model_dir, work / "template")
     adapters = write_variants(template, work / "adapters", w.num_adapters, w.seed)
     dtype = str(resolve_dtype("auto", torch.device("cpu"))).removeprefix("torch.")
-    s = Setup(model_dir, adapters, dtype, w, work, cache, llama_threads or os.cpu_count() or 1, vllm_omp_bind, timeout)
+    threads = llama_threads or os.cpu_count() or 1
+    s = Setup(model_dir, adapters, dtype, w, work, cache, threads, vllm_omp_bind, timeout, vllm_dtype, llama_outtype)
     pool = prompt_pool(model_dir)
     results: dict[str, dict] = {n: {"start_seconds": [], "warm_seconds": []} for n in systems}
     per_round: dict[str, list[dict]] = {n: [] for n in systems}
@@ -662,6 +714,7 @@ def run(
             bench_client="httpx, every request at once",
             load_average={"start": load_start, "end": os.getloadavg()},
             loraplane_server_dtype=dtype,
+            isa_every_system_ran=isa(),
             transformers_for_conversion=importlib.metadata.version("transformers"),
         ),
         "config": {
@@ -699,6 +752,10 @@ def main() -> None:
         help="llama-server -t; 0: one per core. On a loaded machine its OpenMP threads spin-wait for a "
         "descheduled peer (as torch's do), and 1 is the way out",
     )
+    parser.add_argument("--vllm-dtype", default="", help="vLLM's --dtype (default: ours' dtype on this CPU)")
+    parser.add_argument(
+        "--llama-type", default="", help="the GGUF type llama.cpp serves: bf16, f16 or f32 (default: ours' dtype)"
+    )
     parser.add_argument("--install-only", action="store_true", help="install vLLM and build llama.cpp; no run")
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the servers are stopped on the way out
@@ -718,7 +775,16 @@ def main() -> None:
     w = replace(w, latency_repeats=args.latency_repeats or w.latency_repeats)
     with tempfile.TemporaryDirectory(prefix="loraplane-peers-") as tmp:
         result = run(
-            systems, w, args.rounds, args.cache_dir, Path(tmp), args.vllm_omp_bind, args.timeout, args.llama_threads
+            systems,
+            w,
+            args.rounds,
+            args.cache_dir,
+            Path(tmp),
+            args.vllm_omp_bind,
+            args.timeout,
+            args.llama_threads,
+            args.vllm_dtype,
+            args.llama_type,
         )
     write_result(result, args.out, plot)
 
