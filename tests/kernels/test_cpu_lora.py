@@ -33,7 +33,14 @@ def reference_delta(
 @pytest.mark.requires_bf16_kernels
 @pytest.mark.parametrize(
     ("k", "bounds", "rank"),
-    [(576, [0, 576, 768, 960], 8), (576, [0, 1536, 3072], 16), (1536, [0, 576], 8), (100, [0, 20, 20, 37], 5)],
+    [
+        (576, [0, 576, 768, 960], 8),
+        (576, [0, 1536, 3072], 16),
+        (1536, [0, 576], 8),
+        (100, [0, 20, 20, 37], 5),
+        (72, [0, 7, 88, 183], 9),  # K a multiple of 8 but not 16; widths across a pass and its tail
+        (33, [0, 1, 161], 1),  # odd K, rank 1 everywhere, a one-column projection
+    ],
 )
 def test_bgmv_matches_fp32(k: int, bounds: list[int], rank: int) -> None:
     """Block-diagonal slots as lora/slots.py lays them out: slot s's projection p on rank rows
@@ -111,6 +118,69 @@ def pack(
             proj[s, p] = torch.tensor([offset, nr])
             offset += block_a.numel() + block_b.numel()
     return packed, proj
+
+
+@pytest.mark.requires_bf16_kernels
+def test_bgmv_over_many_slots_matches_fp32() -> None:
+    """A decode batch of 64 rows over 40 adapters (ranks 1..16, odd ones too), some rows on the skipped
+    slot: each row its own slot's delta, the dense and packed layouts bit for bit alike."""
+    gen = torch.Generator().manual_seed(40)
+    k, bounds, total, skip = 200, [0, 96, 130, 243], 41, 40
+    n, num_p, width = bounds[-1], len(bounds) - 1, 3 * 16
+    a = torch.zeros(total, width, k, dtype=torch.bfloat16)
+    bt = torch.zeros(total, width, n, dtype=torch.bfloat16)
+    proj_rows = torch.zeros(total, num_p, 2, dtype=torch.int64)
+    for s in range(skip):
+        r = 1 + s % 16
+        for p in range(num_p):
+            if (s + p) % 4 == 3:
+                continue
+            a[s, p * r : p * r + r] = (torch.randn(r, k, generator=gen) * 0.1).to(torch.bfloat16)
+            cols = bounds[p + 1] - bounds[p]
+            bt[s, p * r : p * r + r, bounds[p] : bounds[p + 1]] = (torch.randn(r, cols, generator=gen) * 0.1).to(
+                torch.bfloat16
+            )
+            proj_rows[s, p] = torch.tensor([p * r, r])
+    slots = torch.randint(0, total, (64,), generator=gen)
+    slots[::9] = skip
+    x = torch.randn(64, k, generator=gen).to(torch.bfloat16)
+    base = torch.randn(64, n, generator=gen).to(torch.bfloat16)
+    out = base.clone()
+    cpu_kernels.bgmv_(out, x, a, bt, slots, proj_rows, torch.tensor(bounds), skip)
+    expected = base.float() + reference_delta(x, a, bt, slots, proj_rows, bounds)
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=1e-2)
+    assert torch.equal(out[slots == skip], base[slots == skip])
+    packed, proj = pack(a, bt, proj_rows, bounds, filler=float("nan"))  # NaN filler: never read
+    again = base.clone()
+    cpu_kernels.bgmv_packed_(again, x, packed, slots, proj, torch.tensor(bounds), skip)
+    assert torch.equal(again, out)
+
+
+@pytest.mark.requires_bf16_kernels
+@pytest.mark.parametrize("k", [2, 40])
+@pytest.mark.parametrize("n", [1, 19, 100])
+def test_bgmv_rounds_h_to_bf16_and_each_output_once(k: int, n: int) -> None:
+    """Values picked so that each rounding shows in the result's bits. Row 0: h = 1 + 3 * 2^-9 (not a
+    bf16) times B = 1.5 onto 0 gives 1.515625 with h rounded to bf16 first (1.0078125 * 1.5, a tie
+    to even), 1.5078125 without. Row 1: onto 1.0 a delta of 2^-8 + 2^-20 gives 1.0078125 rounded once,
+    1.0 when the delta is rounded to bf16 (2^-8) before the add (a tie to even)."""
+    a = torch.zeros(2, 2, k, dtype=torch.bfloat16)
+    bt = torch.zeros(2, 2, n, dtype=torch.bfloat16)
+    a[0, 0, :2] = torch.tensor([1.0, 3 * 2**-9])
+    bt[0, 0] = 1.5
+    a[1, 0, 0], a[1, 1, 0] = 1.0, 2**-10
+    bt[1, 0], bt[1, 1] = 2**-8, 2**-10
+    proj_rows = torch.tensor([[[0, 1]], [[0, 2]]])
+    x = torch.zeros(2, k, dtype=torch.bfloat16)
+    x[:, :2] = 1.0
+    out = torch.stack([torch.zeros(n), torch.ones(n)]).to(torch.bfloat16)
+    base = out.clone()
+    slots, bounds = torch.tensor([0, 1]), torch.tensor([0, n])
+    cpu_kernels.bgmv_(out, x, a, bt, slots, proj_rows, bounds, 5)
+    assert out[0].float().eq(1.515625).all() and out[1].float().eq(1.0078125).all(), out
+    packed, proj = pack(a, bt, proj_rows, [0, n], filler=0.0)
+    cpu_kernels.bgmv_packed_(base, x, packed, slots, proj, bounds, 5)
+    assert torch.equal(base, out)
 
 
 @pytest.mark.requires_bf16_kernels

@@ -14,7 +14,8 @@
 // its weights are prefetched while this row computes. h = x A^T is rounded to bf16 between the
 // two products, as torch's bf16 matmuls round it, and each output row is rounded once, after the
 // delta is added. The expand takes B^T rows in pairs, the shrink 8 rank rows per pass (what that
-// measured: docs/kernels.md).
+// measured: docs/kernels.md). An AVX2 build (x86-64-v3) has the same shrink and expand with bf16
+// widened to fp32 for FMAs (cpu_common.h's avx2 layer) and shares the scheduling and prefetch.
 //
 // Registered as torch.ops.loraplane.bgmv_ (in place on `out`). Rows on `skip_slot` (the base
 // model's all-zero slot) are left alone.
@@ -29,13 +30,21 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <initializer_list>
 #include <vector>
 
+#if defined(LORAPLANE_AVX512_BF16) || defined(LORAPLANE_AVX2)
+#define LORAPLANE_LORA_KERNELS 1  // shrink/expand below for this ISA; the scheduling after them is shared
+#endif
+
 namespace {
 
-#ifdef LORAPLANE_AVX512_BF16
+#ifdef LORAPLANE_LORA_KERNELS
 using BF = c10::BFloat16;
+#endif
+
+#ifdef LORAPLANE_AVX512_BF16
 using loraplane_cpu::load32_bf16;
 
 // x: [K], a: J rows of [K] -> h[j] = a_j . x: the J dot products side by side (J independent
@@ -104,7 +113,8 @@ __attribute__((always_inline)) inline void expand_pass(BF* out, const float* h, 
 inline void expand(BF* out, const float* h, const BF* bt, int64_t ldb, int64_t N, int64_t nr) {
   int64_t n0 = 0;
   for (; n0 + 128 <= N; n0 += 128) expand_pass<4>(out + n0, h, bt + n0, ldb, 128, nr);
-  switch ((N - n0 + 31) / 32) {
+  switch ((N - n0 + 31) / 32) {  // 97..127 columns left need all 4 vectors, the last partial
+    case 4: expand_pass<4>(out + n0, h, bt + n0, ldb, N - n0, nr); break;
     case 3: expand_pass<3>(out + n0, h, bt + n0, ldb, N - n0, nr); break;
     case 2: expand_pass<2>(out + n0, h, bt + n0, ldb, N - n0, nr); break;
     case 1: expand_pass<1>(out + n0, h, bt + n0, ldb, N - n0, nr); break;
@@ -112,6 +122,121 @@ inline void expand(BF* out, const float* h, const BF* bt, int64_t ldb, int64_t N
   }
 }
 
+#elif defined(LORAPLANE_AVX2)
+// The AVX2 twin: the same products, bf16 widened to fp32 by a 16-bit shift and multiplied by FMAs.
+// 16 bf16 (8 pairs, one 32-bit lane each) split into their even and odd values (avx2::even_f32 /
+// odd_f32: a shift, an and) give 16 products for 2 FMAs, where widening 8 at a time costs a
+// zero-extend, a shift and an FMA per 8.
+namespace av = loraplane_cpu::avx2;
+
+// 16 bf16 bits from p, without the tail check (the caller knows 16 are there).
+__attribute__((always_inline)) inline __m256i load16_full(const BF* p) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+
+// The first n (<= 16) of 16 bf16 values (bits, in order) to p.
+__attribute__((always_inline)) inline void store16_bf16(BF* p, __m256i bits, int64_t n) {
+  if (n >= 16) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bits);
+    return;
+  }
+  alignas(32) uint16_t buf[16];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(buf), bits);
+  std::memcpy(p, buf, static_cast<size_t>(std::max<int64_t>(n, 0)) * 2);
+}
+
+// x: [K], a: J rows of [K] -> h[j] = a_j . x: J independent chains (each an FMA pair per 16 values
+// of K), each slice of x split once for all of them; a last partial slice reads zeros past K.
+template <int J>
+__attribute__((always_inline)) inline void shrink_rows(const BF* x, const BF* a, int64_t K, float* h) {
+  __m256 s[J];
+#pragma GCC unroll 8
+  for (int j = 0; j < J; ++j) s[j] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    const __m256i xb = load16_full(x + k);
+    const __m256 xe = av::even_f32(xb), xo = av::odd_f32(xb);
+#pragma GCC unroll 8
+    for (int j = 0; j < J; ++j) {
+      const __m256i ab = load16_full(a + j * K + k);
+      s[j] = av::dot_pairs(s[j], av::even_f32(ab), av::odd_f32(ab), xe, xo);
+    }
+  }
+  if (k < K) {
+    const __m256i xb = av::load16_bf16(x + k, K - k);
+    const __m256 xe = av::even_f32(xb), xo = av::odd_f32(xb);
+#pragma GCC unroll 8
+    for (int j = 0; j < J; ++j) {
+      const __m256i ab = av::load16_bf16(a + j * K + k, K - k);
+      s[j] = av::dot_pairs(s[j], av::even_f32(ab), av::odd_f32(ab), xe, xo);
+    }
+  }
+#pragma GCC unroll 8
+  for (int j = 0; j < J; ++j) h[j] = av::hsum(s[j]);
+}
+
+// x: [K], a: nr rows of [K] -> h[j] = a_j . x
+inline void shrink(const BF* x, const BF* a, int64_t K, int64_t nr, float* h) {
+  int64_t j = 0;
+  for (; j + 8 <= nr; j += 8) shrink_rows<8>(x, a + j * K, K, h + j);
+  for (; j + 4 <= nr; j += 4) shrink_rows<4>(x, a + j * K, K, h + j);
+  for (; j < nr; ++j) shrink_rows<1>(x, a + j * K, K, h + j);
+}
+
+// out[n] += sum_j h[j] bt[j * ldb + n] for n < N, j < nr: h[j] rounded to bf16 (as torch's bf16
+// matmuls round h) and broadcast, each B^T row's 16 values split into even and odd columns, one FMA
+// each, so a pass of NV x 16 columns keeps 2 NV accumulators in registers (even and odd columns
+// apart). Out's bits split the same way are added, each sum rounded once to bf16 in the low half of
+// its lane, and even | odd << 16 puts the 16 values back in order: no permute. kTail: one vector of
+// width (< 16) columns, through avx2::load16_bf16's zeroed buffer and store16_bf16.
+template <int NV, bool kTail = false>
+__attribute__((always_inline)) inline void expand_pass(BF* out, const float* h, const BF* bt, int64_t ldb, int64_t width,
+                                                       int64_t nr) {
+  static_assert(!kTail || NV == 1, "a tail pass is one partial vector");
+  __m256 ev[NV], od[NV];
+#pragma GCC unroll 8
+  for (int v = 0; v < NV; ++v) ev[v] = od[v] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < nr; ++j) {
+    const __m256 hj = _mm256_set1_ps(static_cast<float>(BF(h[j])));
+    const BF* row = bt + j * ldb;
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; ++v) {
+      const __m256i b = kTail ? av::load16_bf16(row, width) : load16_full(row + 16 * v);
+      ev[v] = _mm256_fmadd_ps(hj, av::even_f32(b), ev[v]);
+      od[v] = _mm256_fmadd_ps(hj, av::odd_f32(b), od[v]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int v = 0; v < NV; ++v) {
+    BF* o = out + 16 * v;
+    const __m256i bits = kTail ? av::load16_bf16(o, width) : load16_full(o);
+    const __m256i re = av::round_to_bf16_lanes(_mm256_add_ps(ev[v], av::even_f32(bits)));
+    const __m256i ro = av::round_to_bf16_lanes(_mm256_add_ps(od[v], av::odd_f32(bits)));
+    const __m256i sum = _mm256_or_si256(re, _mm256_slli_epi32(ro, 16));
+    if (kTail)
+      store16_bf16(o, sum, width);
+    else
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), sum);
+  }
+}
+
+inline void expand(BF* out, const float* h, const BF* bt, int64_t ldb, int64_t N, int64_t nr) {
+  constexpr int64_t kPass = 16 * 5;  // 10 accumulators + h, the loaded bits and their halves: 16 ymm
+  int64_t n0 = 0;
+  for (; n0 + kPass <= N; n0 += kPass) expand_pass<5>(out + n0, h, bt + n0, ldb, kPass, nr);
+  switch ((N - n0) / 16) {  // the whole vectors left
+    case 4: expand_pass<4>(out + n0, h, bt + n0, ldb, 64, nr); break;
+    case 3: expand_pass<3>(out + n0, h, bt + n0, ldb, 48, nr); break;
+    case 2: expand_pass<2>(out + n0, h, bt + n0, ldb, 32, nr); break;
+    case 1: expand_pass<1>(out + n0, h, bt + n0, ldb, 16, nr); break;
+    default: break;
+  }
+  n0 += (N - n0) / 16 * 16;
+  if (n0 < N) expand_pass<1, true>(out + n0, h, bt + n0, ldb, N - n0, nr);
+}
+#endif
+
+#ifdef LORAPLANE_LORA_KERNELS
 // The bytes of [rows] rows of `cols` bf16 values, `ld` apart, into L2.
 inline void prefetch_rows(const BF* p, int64_t rows, int64_t ld, int64_t cols) {
   for (int64_t r = 0; r < rows; ++r) {
@@ -194,7 +319,7 @@ void bgmv_(at::Tensor& out, const at::Tensor& x, const at::Tensor& a, const at::
                 "bgmv_: proj_rows outside the slots' rank rows");
   const int64_t* sp = slots.data_ptr<int64_t>();
   if (B == 0) return;
-#ifdef LORAPLANE_AVX512_BF16
+#ifdef LORAPLANE_LORA_KERNELS
   BF* po = out.data_ptr<BF>();
   const BF *px = x.data_ptr<BF>(), *pa = a.data_ptr<BF>(), *pb = bt.data_ptr<BF>();
   const int64_t so = out.stride(0), sx = x.stride(0), sa = a.stride(0), sb = bt.stride(0);
@@ -215,7 +340,7 @@ void bgmv_(at::Tensor& out, const at::Tensor& x, const at::Tensor& a, const at::
     }
   });
 #else
-  TORCH_CHECK(false, "bgmv_: built without AVX512-BF16");
+  TORCH_CHECK(false, "bgmv_: built without the bf16 kernels (AVX-512 BF16 or AVX2)");
 #endif
 }
 
@@ -247,7 +372,7 @@ void bgmv_packed_(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed
     }
   const int64_t* sp = slots.data_ptr<int64_t>();
   if (B == 0) return;
-#ifdef LORAPLANE_AVX512_BF16
+#ifdef LORAPLANE_LORA_KERNELS
   BF* po = out.data_ptr<BF>();
   const BF *px = x.data_ptr<BF>(), *pw = packed.data_ptr<BF>();
   const int64_t so = out.stride(0), sx = x.stride(0), ss = packed.stride(0);
@@ -270,7 +395,7 @@ void bgmv_packed_(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed
     }
   });
 #else
-  TORCH_CHECK(false, "bgmv_packed_: built without AVX512-BF16");
+  TORCH_CHECK(false, "bgmv_packed_: built without the bf16 kernels (AVX-512 BF16 or AVX2)");
 #endif
 }
 
