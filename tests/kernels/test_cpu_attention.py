@@ -29,6 +29,32 @@ def test_matches_reference(dtype: torch.dtype, heads: int, kv_heads: int, head_d
     torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
 
 
+@pytest.mark.requires_bf16_kernels
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (6, 2), (8, 2), (5, 1)])  # groups 1, 2, 3, 4, 5
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_bf16_kernel_across_softmax_chunks(heads: int, kv_heads: int, head_dim: int, block_size: int) -> None:
+    """The bf16 kernel (AVX-512 BF16 or AVX2) over contexts of 1 token to several 128-token chunks,
+    lengths on and off the multiples of 8, 16 and 128, in scattered blocks."""
+    lens = torch.tensor([1, 2, 7, 9, 16, 33, 127, 128, 129, 200, 257, 300])
+    g = torch.Generator().manual_seed(heads * 1000 + head_dim + block_size)
+    widths = (lens + block_size - 1) // block_size
+    num_blocks = int(widths.sum()) + 3
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(torch.bfloat16)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(torch.bfloat16)
+    order = torch.randperm(num_blocks, generator=g)
+    tables = torch.zeros(len(lens), int(widths.max()), dtype=torch.int64)
+    used = 0
+    for s, w in enumerate(widths.tolist()):
+        tables[s, :w] = order[used : used + w]
+        used += w
+    q = (torch.randn(len(lens), heads, head_dim, generator=g) * 2).to(torch.bfloat16)  # peaked softmax too
+    scale = head_dim**-0.5
+    out = cpu_kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale)
+    expected = reference(q, k_cache, v_cache, tables, lens, scale)
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+
+
 def test_strided_query_rows_and_large_scores() -> None:
     """q as a view into a fused projection (rows strided), and scores large enough to overflow a naive exp."""
     q, k_cache, v_cache, tables, lens = make_case(5, 9, 3, 64, 16, torch.float32, seed=3)

@@ -55,6 +55,12 @@ def reference(
         (41, 0, 4, 2, 64, 16),  # blocks of 2 (head_dim 64)
         (29, 70, 12, 3, 64, 16),  # blocks of 4
         (23, 3, 5, 1, 64, 16),  # 5 heads per kv head: blocks of 1
+        (30, 17, 9, 3, 128, 16),  # head_dim 128, 3 heads per kv head (AVX2: blocks of 3)
+        (45, 70, 16, 4, 128, 32),  # head_dim 128, 4 heads per kv head (AVX2: blocks of 4), block size 32
+        (66, 0, 3, 3, 64, 32),  # no GQA, block size 32, tiles of 64 keys and 2 more
+        (1, 130, 4, 4, 128, 32),  # one query after a long context
+        (1, 0, 8, 2, 128, 16),  # a one-token prompt, head_dim 128
+        (9, 120, 8, 2, 64, 16),  # a short chunk whose keys end off the tile and vector boundaries
     ],
 )
 def test_matches_fp32_causal_attention(
@@ -97,3 +103,20 @@ def test_bad_inputs_are_refused() -> None:
         cpu_kernels.paged_prefill_attention(out, q, k_cache, v_cache, table, 100, 0.1)
     with pytest.raises(RuntimeError, match="head_dim"):
         cpu_kernels.paged_prefill_attention(out[..., :32], q[..., :32], k_cache, v_cache, table, 0, 0.1)
+
+
+@pytest.mark.requires_bf16_kernels
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_stale_rows_past_the_chunk_do_not_leak(head_dim: int) -> None:
+    """A block's rows past ctx + n keep what a former owner wrote (NaN, inf): they must not reach the output."""
+    n, ctx, block_size = 21, 14, 16  # 35 tokens: the last block holds 3, 13 stale rows follow
+    q, k_cache, v_cache, table = make_chunk(n, ctx, 6, 2, head_dim, block_size, seed=head_dim)
+    clean = torch.empty_like(q)
+    cpu_kernels.paged_prefill_attention(clean, q, k_cache, v_cache, table, ctx, 0.125)
+    last = int(table[(ctx + n - 1) // block_size])
+    k_cache[last, (ctx + n) % block_size :] = float("nan")
+    v_cache[last, (ctx + n) % block_size :] = float("inf")
+    dirty = torch.empty_like(q)
+    cpu_kernels.paged_prefill_attention(dirty, q, k_cache, v_cache, table, ctx, 0.125)
+    assert torch.isfinite(dirty).all()
+    assert torch.equal(dirty, clean)

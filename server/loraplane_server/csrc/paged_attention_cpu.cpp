@@ -16,7 +16,10 @@
 // then one max/exp/rescale per head with a vectorized exp, then the values: the weights rounded
 // to bf16 (as flash-attention kernels do for this product) multiply V with vdpbf16ps, two tokens
 // per instruction, the accumulators of up to 4 heads in registers. What each choice measured, and
-// the memory ceiling: docs/kernels.md.
+// the memory ceiling: docs/kernels.md. An AVX2 build runs the same kernel (one driver: partition,
+// prefetches, chunks, softmax bookkeeping) with its vector parts as FMAs over bf16 widened to fp32
+// (DecodeIsa): q . k as two FMAs per 16 dims over a key row's even and odd halves, two heads
+// sharing each row's halves; P V a value row at a time, several heads by 16-64 dims a pass.
 //
 // Registered as torch.ops.loraplane.paged_decode_attention_ (in-place on `out`); write_kv_ (at the
 // end) puts a step's keys and values into the cache.
@@ -87,7 +90,7 @@ inline void prefetch_block(const T* k, const T* v, int64_t block_size, int64_t r
   }
 }
 
-#ifdef LORAPLANE_AVX512_BF16
+#if defined(LORAPLANE_AVX512_BF16) || defined(LORAPLANE_AVX2)
 // Streams a sequence's whole KV blocks (every kv head's rows, K then V) into L2 a few cache lines
 // per call, so that a later sequence arrives while this one computes. A work item reads only its
 // own head's 128 bytes of each 384-byte token row, so the hardware prefetchers see a short strided
@@ -239,9 +242,21 @@ void decode_kernel(
   });
 }
 
-#ifdef LORAPLANE_AVX512_BF16
+#if defined(LORAPLANE_AVX512_BF16) || defined(LORAPLANE_AVX2)
 constexpr int64_t kChunkTokens = 128;  // tokens per softmax update in the bf16 kernel
 
+// The value rows of one chunk of one work item: blocks b0 .. b1 - 1 of a sequence of ctx tokens,
+// each block's rows of kv head kvh.
+struct ValueChunk {
+  const c10::BFloat16* v_cache;
+  const int64_t* table;
+  int64_t cache_block_stride, head_offset, row_stride, block_size, ctx, b0, b1;
+  const c10::BFloat16* block(int64_t b) const { return v_cache + table[b] * cache_block_stride + head_offset; }
+  int64_t rows(int64_t b) const { return std::min(block_size, ctx - b * block_size); }
+};
+#endif
+
+#ifdef LORAPLANE_AVX512_BF16
 // 16 vectors in, one out: lane i of the result is the sum of x[i]'s 16 lanes. Four rounds of
 // interleave-and-add (45 instructions for 16 dot products, no scalar sums).
 __attribute__((always_inline)) inline __m512 sum_lanes16(const __m512 (&x)[16]) {
@@ -278,11 +293,327 @@ __attribute__((always_inline)) inline void scores16(const c10::BFloat16* k, int6
   _mm512_storeu_ps(s, _mm512_mul_ps(sum_lanes16(x), scale));
 }
 
-// The hot case: bf16 cache on a CPU with AVX512-BF16, head_dim 64 or 128, any number of query heads
-// per kv head. Per chunk of up to 128 tokens: every head's scores (16 keys at a time, vdpbf16ps
-// and sum_lanes16), one online-softmax update per head (vectorized exp), the weights rounded to
-// bf16 pairs (t, t+1), then P V with vdpbf16ps, two value rows per instruction, the accumulators
-// of up to GB heads in registers (they wait in L1 between chunks).
+// The bf16 decode kernel's vector parts on AVX-512 BF16: q . k with vdpbf16ps (a head's query as
+// HD/32 bf16 vectors, 16 keys at a time and sum_lanes16), the softmax weights rounded to bf16
+// pairs (t, t+1), P V with vdpbf16ps, two value rows per instruction, the accumulators of up to
+// GB heads in registers. Accumulator 2c (2c+1) lane i holds dim 32c + 8(i/4) + i%4 (+4).
+template <int64_t HD>
+struct DecodeIsa {
+  static constexpr int64_t C = HD / 16;          // fp32 accumulator vectors per head row
+  static constexpr int64_t C2 = HD / 32;         // 32-wide bf16 chunks per head row
+  static constexpr int64_t GB = C >= 8 ? 2 : 4;  // heads whose accumulators share the registers (<= 16 zmm)
+  static constexpr int64_t kQueryVecs = C2, kAccVecs = C;
+  using QueryVec = __m512bh;
+  using Acc = __m512;
+  using Weight = uint16_t;  // bf16 bits, zero past the chunk's tokens
+
+  static Acc zero() { return _mm512_setzero_ps(); }
+  static void load_query(const c10::BFloat16* q, QueryVec* qv) {
+    for (int64_t i = 0; i < C2; ++i) qv[i] = (__m512bh)_mm512_loadu_si512(q + i * 32);
+  }
+  // s[g * stride + t] = scale * q_g . k_t for 16 key rows (t < 16) and every head g of the group.
+  __attribute__((always_inline)) static void scores16(const c10::BFloat16* k, int64_t n, int64_t row_stride,
+                                                      const QueryVec* q, int64_t group, float scale, float* s,
+                                                      int64_t stride) {
+    for (int64_t g = 0; g < group; ++g) ::scores16<C2>(k, n, row_stride, q + g * C2, _mm512_set1_ps(scale), s + g * stride);
+  }
+  static __mmask16 tail(int64_t n, int64_t t) {
+    return n - t >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << (n - t)) - 1);
+  }
+  // The largest of m and s[0..n).
+  static float chunk_max(const float* s, int64_t n, float m) {
+    __m512 mx = _mm512_set1_ps(m);
+    for (int64_t t = 0; t < n; t += 16) mx = _mm512_mask_max_ps(mx, tail(n, t), mx, _mm512_loadu_ps(s + t));
+    return _mm512_reduce_max_ps(mx);
+  }
+  // p[t] = exp(s[t] - m) in bf16 for t < n, and 0 at n (a zero weight after an odd count); the
+  // sum of the weights before rounding.
+  static float weights(const float* s, Weight* p, int64_t n, float m) {
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t t = 0; t < n + 1; t += 16) {
+      const __m512 x = _mm512_sub_ps(_mm512_loadu_ps(s + t), _mm512_set1_ps(m));
+      const __m512 e = _mm512_maskz_mov_ps(tail(n, std::min(t, n)), loraplane_cpu::exp_nonpositive(x));
+      sum = _mm512_add_ps(sum, e);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + t), (__m256i)_mm512_cvtneps_pbh(e));
+    }
+    return _mm512_reduce_add_ps(sum);
+  }
+  // accbuf[g] = accbuf[g] * corr[g] + sum_t p[g * stride + t] v_t over the chunk's value rows.
+  static void values(const ValueChunk& vc, const Weight* pbf, int64_t stride, int64_t group, const float* corr,
+                     Acc* accbuf, Trickle& trickle) {
+    using BF = c10::BFloat16;
+    for (int64_t g0 = 0; g0 < group; g0 += GB) {  // P V for heads g0 .. g0 + gn - 1
+      const int64_t gn = std::min(GB, group - g0);
+      __m512 acc[GB][C];
+#pragma GCC unroll 4
+      for (int64_t j = 0; j < GB; ++j) {
+        const __m512 cv = _mm512_set1_ps(j < gn ? corr[g0 + j] : 0.f);
+#pragma GCC unroll 8
+        for (int64_t c = 0; c < C; ++c)
+          acc[j][c] = j < gn ? _mm512_mul_ps(accbuf[(g0 + j) * C + c], cv) : _mm512_setzero_ps();
+      }
+      for (int64_t b = vc.b0; b < vc.b1; ++b) {
+        const int64_t n = vc.rows(b);
+        const BF* vb = vc.block(b);
+        const int64_t off = (b - vc.b0) * vc.block_size;
+        for (int64_t t = 0; t < n; t += 2) {
+          if (t % 16 == 0) trickle.step();
+          // rows t and t+1 interleaved by unpacklo/hi give (v_t[d], v_t+1[d]) pairs; the
+          // accumulators hold the dims in that order. A lone last row pairs with zeros, so
+          // whatever weight sits next to its own multiplies zero.
+          const bool pair = t + 1 < n;
+          const BF* r0 = vb + t * vc.row_stride;
+          __m512i lo[C2], hi[C2];
+#pragma GCC unroll 4
+          for (int64_t c = 0; c < C2; ++c) {
+            const __m512i a = _mm512_loadu_si512(r0 + c * 32);
+            const __m512i b2 = pair ? _mm512_loadu_si512(r0 + vc.row_stride + c * 32) : _mm512_setzero_si512();
+            lo[c] = _mm512_unpacklo_epi16(a, b2);
+            hi[c] = _mm512_unpackhi_epi16(a, b2);
+          }
+#pragma GCC unroll 4
+          for (int64_t j = 0; j < GB; ++j) {
+            if (j >= gn) break;
+            uint32_t bits;
+            std::memcpy(&bits, pbf + (g0 + j) * stride + off + t, sizeof(bits));
+            const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(bits));
+#pragma GCC unroll 4
+            for (int64_t c = 0; c < C2; ++c) {
+              acc[j][2 * c] = _mm512_dpbf16_ps(acc[j][2 * c], (__m512bh)lo[c], w);
+              acc[j][2 * c + 1] = _mm512_dpbf16_ps(acc[j][2 * c + 1], (__m512bh)hi[c], w);
+            }
+          }
+        }
+      }
+#pragma GCC unroll 4
+      for (int64_t j = 0; j < GB; ++j)
+        if (j < gn)
+#pragma GCC unroll 8
+          for (int64_t c = 0; c < C; ++c) accbuf[(g0 + j) * C + c] = acc[j][c];
+    }
+  }
+  // o[0..HD) = acc * inv in bf16, the interleave undone.
+  static void store(c10::BFloat16* o, const Acc* acc, float inv) {
+    const __m512 iv = _mm512_set1_ps(inv);
+    for (int64_t c = 0; c < C2; ++c)
+      loraplane_cpu::store_unpacked32_bf16(o + 32 * c, _mm512_mul_ps(acc[2 * c], iv), _mm512_mul_ps(acc[2 * c + 1], iv));
+  }
+};
+
+#elif defined(LORAPLANE_AVX2)
+namespace avx2 = loraplane_cpu::avx2;
+
+// 8 vectors in, one out: lane i of the result is the sum of x[i]'s 8 lanes. Three rounds of
+// interleave-and-add (21 instructions for 8 dot products).
+__attribute__((always_inline)) inline __m256 sum_lanes8(const __m256 (&x)[8]) {
+  __m256 a[4], b[2];
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i)  // a[i], 128-bit lane j: x[2i] and x[2i+1] summed over lane j's halves
+    a[i] = _mm256_add_ps(_mm256_unpacklo_ps(x[2 * i], x[2 * i + 1]), _mm256_unpackhi_ps(x[2 * i], x[2 * i + 1]));
+#pragma GCC unroll 2
+  for (int i = 0; i < 2; ++i) {  // b[i], 128-bit lane j: x[4i..4i+3], each summed over lane j
+    const __m256d p = _mm256_castps_pd(a[2 * i]), r = _mm256_castps_pd(a[2 * i + 1]);
+    b[i] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(p, r)), _mm256_castpd_ps(_mm256_unpackhi_pd(p, r)));
+  }
+  return _mm256_add_ps(_mm256_permute2f128_ps(b[0], b[1], 0x20), _mm256_permute2f128_ps(b[0], b[1], 0x31));
+}
+
+// s[0..8) = scale * q . k_t for 8 key rows from k (rows row_stride apart), q as its even and odd
+// dims in fp32 (q[2c], q[2c + 1]: dims 16c + 2i and 16c + 2i + 1); rows past n (< 8) repeat row 0.
+// The 8 rows go through each 16 dims together: 8 independent FMA chains, and each pair of query
+// vectors is loaded once for all 8.
+template <int64_t C16>
+__attribute__((always_inline)) inline void scores8(const c10::BFloat16* k, int64_t n, int64_t row_stride,
+                                                   const __m256* q, __m256 scale, float* s) {
+  const c10::BFloat16* row[8];
+#pragma GCC unroll 8
+  for (int64_t t = 0; t < 8; ++t) row[t] = k + (t < n ? t : 0) * row_stride;
+  __m256 x[8];
+#pragma GCC unroll 8
+  for (int64_t t = 0; t < 8; ++t) x[t] = _mm256_setzero_ps();
+#pragma GCC unroll 8
+  for (int64_t c = 0; c < C16; ++c) {
+    const __m256 qe = q[2 * c], qo = q[2 * c + 1];
+#pragma GCC unroll 8
+    for (int64_t t = 0; t < 8; ++t) {
+      const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row[t] + 16 * c));
+      x[t] = avx2::dot_pairs(x[t], avx2::even_f32(bits), avx2::odd_f32(bits), qe, qo);
+    }
+  }
+  _mm256_storeu_ps(s, _mm256_mul_ps(sum_lanes8(x), scale));
+}
+
+// scores8 for two heads (queries qa, qb) over 4 key rows: each row's even and odd halves, split
+// once, feed both heads' FMAs; sa[0..4) and sb[0..4) from one sum_lanes8.
+template <int64_t C16>
+__attribute__((always_inline)) inline void scores4x2(const c10::BFloat16* k, int64_t n, int64_t row_stride,
+                                                     const __m256* qa, const __m256* qb, __m256 scale, float* sa,
+                                                     float* sb) {
+  const c10::BFloat16* row[4];
+#pragma GCC unroll 4
+  for (int64_t t = 0; t < 4; ++t) row[t] = k + (t < n ? t : 0) * row_stride;
+  __m256 x[8];  // x[t]: head a, row t; x[4 + t]: head b
+#pragma GCC unroll 8
+  for (int64_t t = 0; t < 8; ++t) x[t] = _mm256_setzero_ps();
+#pragma GCC unroll 8
+  for (int64_t c = 0; c < C16; ++c) {
+    const __m256 ae = qa[2 * c], ao = qa[2 * c + 1], be = qb[2 * c], bo = qb[2 * c + 1];
+#pragma GCC unroll 4
+    for (int64_t t = 0; t < 4; ++t) {
+      const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row[t] + 16 * c));
+      const __m256 even = avx2::even_f32(bits), odd = avx2::odd_f32(bits);
+      x[t] = avx2::dot_pairs(x[t], even, odd, ae, ao);
+      x[4 + t] = avx2::dot_pairs(x[4 + t], even, odd, be, bo);
+    }
+  }
+  const __m256 r = _mm256_mul_ps(sum_lanes8(x), scale);
+  _mm_storeu_ps(sa, _mm256_castps256_ps128(r));
+  _mm_storeu_ps(sb, _mm256_extractf128_ps(r, 1));
+}
+
+// The first min(n, 8) lanes set (all bits), the rest 0.
+__attribute__((always_inline)) inline __m256 lanes_below(int64_t n) {
+  const __m256i index = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min<int64_t>(n, 8))), index));
+}
+
+// The bf16 decode kernel's vector parts on AVX2: q . k as two FMAs per 16 dims over the key row's
+// even and odd halves (avx2::dot_pairs; the query split once per item), 8 keys at a time and
+// sum_lanes8; the softmax weights rounded to bf16 (kept as fp32 for the broadcast); P V one value
+// row at a time, its even and odd dims into separate accumulators (no interleave of two rows):
+// a head's accumulator 2c (2c + 1) holds dims 16c + 2i (16c + 2i + 1), GB heads by DT dims in
+// registers per pass over the chunk's rows.
+template <int64_t HD>
+struct DecodeIsa {
+  static constexpr int64_t C16 = HD / 16;  // 16-dim bf16 chunks per head row
+  static constexpr int64_t kQueryVecs = 2 * C16, kAccVecs = HD / 8;
+  using QueryVec = __m256;
+  using Acc = __m256;
+  using Weight = float;  // exp(s - m) rounded to bf16, as fp32
+
+  static Acc zero() { return _mm256_setzero_ps(); }
+  static void load_query(const c10::BFloat16* q, QueryVec* qv) {
+    for (int64_t c = 0; c < C16; ++c) {
+      const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 16 * c));
+      qv[2 * c] = avx2::even_f32(bits);
+      qv[2 * c + 1] = avx2::odd_f32(bits);
+    }
+  }
+  // s[g * stride + t] = scale * q_g . k_t for the n (<= 16) key rows and every head g of the
+  // group: two heads at a time 4 rows a pass (a key row's halves serve both), a last odd head 8
+  // rows a pass. Rows past n repeat row 0 up to the pass's end; their scores are past n.
+  __attribute__((always_inline)) static void scores16(const c10::BFloat16* k, int64_t n, int64_t row_stride,
+                                                      const QueryVec* q, int64_t group, float scale, float* s,
+                                                      int64_t stride) {
+    const __m256 sv = _mm256_set1_ps(scale);
+    int64_t g = 0;
+    for (; g + 2 <= group; g += 2)
+      for (int64_t t0 = 0; t0 < n; t0 += 4)
+        scores4x2<C16>(k + t0 * row_stride, n - t0, row_stride, q + g * kQueryVecs, q + (g + 1) * kQueryVecs, sv,
+                       s + g * stride + t0, s + (g + 1) * stride + t0);
+    if (g < group)
+      for (int64_t t0 = 0; t0 < n; t0 += 8)
+        scores8<C16>(k + t0 * row_stride, n - t0, row_stride, q + g * kQueryVecs, sv, s + g * stride + t0);
+  }
+  static float chunk_max(const float* s, int64_t n, float m) {
+    __m256 mx = _mm256_set1_ps(m);
+    for (int64_t t = 0; t < n; t += 8)
+      mx = _mm256_blendv_ps(mx, _mm256_max_ps(mx, _mm256_loadu_ps(s + t)), lanes_below(n - t));
+    return avx2::hmax(mx);
+  }
+  // p[t] = exp(s[t] - m) rounded to bf16 for t < n (p past n is never read); the sum of the
+  // weights before rounding.
+  static float weights(const float* s, Weight* p, int64_t n, float m) {
+    __m256 sum = _mm256_setzero_ps();
+    for (int64_t t = 0; t < n; t += 8) {
+      const __m256 x = _mm256_sub_ps(_mm256_loadu_ps(s + t), _mm256_set1_ps(m));
+      const __m256 e = _mm256_and_ps(avx2::exp_clamped8(x), lanes_below(n - t));
+      sum = _mm256_add_ps(sum, e);
+      _mm256_storeu_ps(p + t, _mm256_castsi256_ps(_mm256_slli_epi32(avx2::round_to_bf16_lanes(e), 16)));
+    }
+    return avx2::hsum(sum);
+  }
+  // accbuf[g] = accbuf[g] * corr[g] + sum_t p[g * stride + t] v_t over the chunk's value rows, for
+  // heads g0 .. g0 + GB - 1 (GB divides group) and dims d0 .. d0 + DT - 1 per pass: GB * DT / 8
+  // accumulators, GB weights and a row's halves in the 16 registers.
+  template <int64_t GB, int64_t DT>
+  static void values_blocked(const ValueChunk& vc, const Weight* pw, int64_t stride, int64_t group,
+                             const float* corr, Acc* accbuf, Trickle& trickle) {
+    constexpr int64_t A = DT / 8;  // accumulators per head in a pass
+    for (int64_t g0 = 0; g0 < group; g0 += GB) {
+      for (int64_t d0 = 0; d0 < HD; d0 += DT) {
+        __m256 acc[GB][A];
+#pragma GCC unroll 4
+        for (int64_t j = 0; j < GB; ++j) {
+          const __m256 cv = _mm256_set1_ps(corr[g0 + j]);
+#pragma GCC unroll 8
+          for (int64_t c = 0; c < A; ++c) acc[j][c] = _mm256_mul_ps(accbuf[(g0 + j) * kAccVecs + d0 / 8 + c], cv);
+        }
+        for (int64_t b = vc.b0; b < vc.b1; ++b) {
+          const int64_t n = vc.rows(b);
+          const c10::BFloat16* vb = vc.block(b) + d0;
+          const Weight* pb = pw + g0 * stride + (b - vc.b0) * vc.block_size;
+          for (int64_t t0 = 0; t0 < n; t0 += 16) {
+            if (d0 == 0) trickle.step();
+            const int64_t t1 = std::min<int64_t>(n, t0 + 16);
+            for (int64_t t = t0; t < t1; ++t) {
+              const c10::BFloat16* row = vb + t * vc.row_stride;
+              __m256 w[GB];
+#pragma GCC unroll 4
+              for (int64_t j = 0; j < GB; ++j) w[j] = _mm256_set1_ps(pb[j * stride + t]);
+#pragma GCC unroll 4
+              for (int64_t c = 0; c < DT / 16; ++c) {
+                const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 16 * c));
+                const __m256 even = avx2::even_f32(bits), odd = avx2::odd_f32(bits);
+#pragma GCC unroll 4
+                for (int64_t j = 0; j < GB; ++j) {
+                  acc[j][2 * c] = _mm256_fmadd_ps(even, w[j], acc[j][2 * c]);
+                  acc[j][2 * c + 1] = _mm256_fmadd_ps(odd, w[j], acc[j][2 * c + 1]);
+                }
+              }
+            }
+          }
+        }
+#pragma GCC unroll 4
+        for (int64_t j = 0; j < GB; ++j)
+#pragma GCC unroll 8
+          for (int64_t c = 0; c < A; ++c) accbuf[(g0 + j) * kAccVecs + d0 / 8 + c] = acc[j][c];
+      }
+    }
+  }
+  static void values(const ValueChunk& vc, const Weight* pw, int64_t stride, int64_t group, const float* corr,
+                     Acc* accbuf, Trickle& trickle) {
+    // the most heads that divide the group, each pass's dims as many as the registers hold
+    if (group % 4 == 0) {
+      values_blocked<4, 16>(vc, pw, stride, group, corr, accbuf, trickle);
+    } else if (group % 3 == 0) {
+      values_blocked<3, 16>(vc, pw, stride, group, corr, accbuf, trickle);
+    } else if (group % 2 == 0) {
+      values_blocked<2, 32>(vc, pw, stride, group, corr, accbuf, trickle);
+    } else {
+      values_blocked<1, 64>(vc, pw, stride, group, corr, accbuf, trickle);
+    }
+  }
+  // o[0..HD) = acc * inv in bf16: each 16 dims' even and odd halves interleaved back in order.
+  static void store(c10::BFloat16* o, const Acc* acc, float inv) {
+    const __m256 iv = _mm256_set1_ps(inv);
+    for (int64_t c = 0; c < C16; ++c) {
+      const __m256 even = _mm256_mul_ps(acc[2 * c], iv), odd = _mm256_mul_ps(acc[2 * c + 1], iv);
+      // 128-bit lane 0: dims 0..3 | 4..7, lane 1: 8..11 | 12..15, so packus leaves them in order
+      const __m256i lo = avx2::round_to_bf16_lanes(_mm256_unpacklo_ps(even, odd));
+      const __m256i hi = avx2::round_to_bf16_lanes(_mm256_unpackhi_ps(even, odd));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16 * c), _mm256_packus_epi32(lo, hi));
+    }
+  }
+};
+#endif
+
+#if defined(LORAPLANE_AVX512_BF16) || defined(LORAPLANE_AVX2)
+// The hot case: a bf16 cache, head_dim 64 or 128, any number of query heads per kv head, on a CPU
+// with AVX512-BF16 or AVX2 (DecodeIsa, the vector parts). Per chunk of up to 128 tokens: every
+// head's scores (16 keys at a time), one online-softmax update per head (vectorized exp), the
+// weights rounded to bf16, then P V with the accumulators of several heads in registers (they wait
+// in L1 between chunks). The partition, the prefetches and the softmax bookkeeping are shared.
 template <int64_t HD>
 void decode_kernel_bf16(c10::BFloat16* out, const c10::BFloat16* q, const c10::BFloat16* k_cache,
                         const c10::BFloat16* v_cache, const int64_t* block_tables, const int64_t* context_lens,
@@ -290,9 +621,8 @@ void decode_kernel_bf16(c10::BFloat16* out, const c10::BFloat16* q, const c10::B
                         int64_t table_width, int64_t q_stride, int64_t out_stride, int64_t cache_block_stride,
                         float scale) {
   using BF = c10::BFloat16;
-  constexpr int64_t C = HD / 16;            // fp32 accumulator vectors per head row
-  constexpr int64_t C2 = HD / 32;           // 32-wide bf16 chunks per head row
-  constexpr int64_t GB = C >= 8 ? 2 : 4;    // heads whose accumulators share the registers (<= 16 zmm)
+  using Isa = DecodeIsa<HD>;
+  constexpr int64_t QV = Isa::kQueryVecs, AV = Isa::kAccVecs;
   constexpr int64_t kAhead = 2;             // sequences between the one computed and the one prefetched
   const int64_t chunk_blocks = std::max<int64_t>(1, kChunkTokens / block_size);
   const int64_t stride = chunk_blocks * block_size + 16;  // between heads' score rows (16 for a last partial store)
@@ -300,10 +630,9 @@ void decode_kernel_bf16(c10::BFloat16* out, const c10::BFloat16* q, const c10::B
   loraplane_cpu::parallel_by_cost(num_seqs * num_kv_heads, cost, [&](int64_t begin, int64_t end) {
     const int64_t row_stride = num_kv_heads * HD;  // between tokens of one block
     std::vector<float> scores(group * stride), m(group), l(group), corr(group);
-    std::vector<uint16_t> pbf(group * stride + 2);  // the weights in bf16, zero past the chunk's tokens
-    std::vector<__m512bh> qv(group * C2);
-    std::vector<__m512> accbuf(group * C);  // output accumulators between chunks
-    const __m512 scale_v = _mm512_set1_ps(scale);
+    std::vector<typename Isa::Weight> weights(group * stride + 2);  // zero past the chunk's tokens
+    std::vector<typename Isa::QueryVec> qv(group * QV);
+    std::vector<typename Isa::Acc> accbuf(group * AV);  // output accumulators between chunks
     Trickle trickle;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item / num_kv_heads, kvh = item % num_kv_heads;
@@ -318,16 +647,15 @@ void decode_kernel_bf16(c10::BFloat16* out, const c10::BFloat16* q, const c10::B
       } else if (kvh == 0) {
         trickle.stop();
       }
-      for (int64_t i = 0; i < group * C2; ++i)
-        qv[i] = (__m512bh)_mm512_loadu_si512(q + s * q_stride + kvh * group * HD + i * 32);
+      for (int64_t g = 0; g < group; ++g) Isa::load_query(q + s * q_stride + (kvh * group + g) * HD, qv.data() + g * QV);
       std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
       std::fill(l.begin(), l.end(), 0.f);
-      std::fill(accbuf.begin(), accbuf.end(), _mm512_setzero_ps());
+      std::fill(accbuf.begin(), accbuf.end(), Isa::zero());
       for (int64_t b0 = 0; b0 < num_blocks; b0 += chunk_blocks) {
         const int64_t b1 = std::min(num_blocks, b0 + chunk_blocks);
         const int64_t n_chunk = std::min(ctx, b1 * block_size) - b0 * block_size;
         // scores: block b's rows at (b - b0) * block_size; a block's stores past its rows are
-        // overwritten by the next block's, and past the chunk's end they are masked below
+        // overwritten by the next block's, and past the chunk's end they are masked
         for (int64_t b = b0; b < b1; ++b) {
           const int64_t n = std::min(block_size, ctx - b * block_size);
           if (b + 1 < num_blocks) {
@@ -337,90 +665,23 @@ void decode_kernel_bf16(c10::BFloat16* out, const c10::BFloat16* q, const c10::B
           const BF* kb = k_cache + table[b] * cache_block_stride + kvh * HD;
           for (int64_t t0 = 0; t0 < n; t0 += 16) {
             trickle.step();
-            for (int64_t g = 0; g < group; ++g)
-              scores16<C2>(kb + t0 * row_stride, std::min<int64_t>(16, n - t0), row_stride, qv.data() + g * C2,
-                           scale_v, scores.data() + g * stride + (b - b0) * block_size + t0);
+            Isa::scores16(kb + t0 * row_stride, std::min<int64_t>(16, n - t0), row_stride, qv.data(), group, scale,
+                          scores.data() + (b - b0) * block_size + t0, stride);
           }
         }
         for (int64_t g = 0; g < group; ++g) {  // online softmax over the chunk, weights to bf16
           const float* sg = scores.data() + g * stride;
-          uint16_t* pg = pbf.data() + g * stride;
-          auto tail = [&](int64_t t) {
-            return n_chunk - t >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << (n_chunk - t)) - 1);
-          };
-          __m512 mx = _mm512_set1_ps(m[g]);
-          for (int64_t t = 0; t < n_chunk; t += 16) mx = _mm512_mask_max_ps(mx, tail(t), mx, _mm512_loadu_ps(sg + t));
-          const float m_new = _mm512_reduce_max_ps(mx);
+          const float m_new = Isa::chunk_max(sg, n_chunk, m[g]);
           const bool first = m[g] == -std::numeric_limits<float>::infinity();
           corr[g] = first ? 0.f : loraplane_cpu::exp_clamped(m[g] - m_new);
           m[g] = m_new;
-          __m512 sum = _mm512_setzero_ps();
-          for (int64_t t = 0; t < n_chunk + 1; t += 16) {  // + 1: a zero weight after an odd count
-            const __m512 x = _mm512_sub_ps(_mm512_loadu_ps(sg + t), _mm512_set1_ps(m_new));
-            const __m512 e = _mm512_maskz_mov_ps(tail(std::min(t, n_chunk)), loraplane_cpu::exp_nonpositive(x));
-            sum = _mm512_add_ps(sum, e);
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(pg + t), (__m256i)_mm512_cvtneps_pbh(e));
-          }
-          l[g] = l[g] * corr[g] + _mm512_reduce_add_ps(sum);
+          l[g] = l[g] * corr[g] + Isa::weights(sg, weights.data() + g * stride, n_chunk, m_new);
         }
-        for (int64_t g0 = 0; g0 < group; g0 += GB) {  // P V for heads g0 .. g0 + gn - 1
-          const int64_t gn = std::min(GB, group - g0);
-          __m512 acc[GB][C];
-#pragma GCC unroll 4
-          for (int64_t j = 0; j < GB; ++j) {
-            const __m512 cv = _mm512_set1_ps(j < gn ? corr[g0 + j] : 0.f);
-#pragma GCC unroll 8
-            for (int64_t c = 0; c < C; ++c)
-              acc[j][c] = j < gn ? _mm512_mul_ps(accbuf[(g0 + j) * C + c], cv) : _mm512_setzero_ps();
-          }
-          for (int64_t b = b0; b < b1; ++b) {
-            const int64_t n = std::min(block_size, ctx - b * block_size);
-            const BF* vb = v_cache + table[b] * cache_block_stride + kvh * HD;
-            const int64_t off = (b - b0) * block_size;
-            for (int64_t t = 0; t < n; t += 2) {
-              if (t % 16 == 0) trickle.step();
-              // rows t and t+1 interleaved by unpacklo/hi give (v_t[d], v_t+1[d]) pairs; the
-              // accumulators hold the dims in that order. A lone last row pairs with zeros, so
-              // whatever weight sits next to its own multiplies zero.
-              const bool pair = t + 1 < n;
-              const BF* r0 = vb + t * row_stride;
-              __m512i lo[C2], hi[C2];
-#pragma GCC unroll 4
-              for (int64_t c = 0; c < C2; ++c) {
-                const __m512i a = _mm512_loadu_si512(r0 + c * 32);
-                const __m512i b2 = pair ? _mm512_loadu_si512(r0 + row_stride + c * 32) : _mm512_setzero_si512();
-                lo[c] = _mm512_unpacklo_epi16(a, b2);
-                hi[c] = _mm512_unpackhi_epi16(a, b2);
-              }
-#pragma GCC unroll 4
-              for (int64_t j = 0; j < GB; ++j) {
-                if (j >= gn) break;
-                uint32_t bits;
-                std::memcpy(&bits, pbf.data() + (g0 + j) * stride + off + t, sizeof(bits));
-                const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(bits));
-#pragma GCC unroll 4
-                for (int64_t c = 0; c < C2; ++c) {
-                  acc[j][2 * c] = _mm512_dpbf16_ps(acc[j][2 * c], (__m512bh)lo[c], w);
-                  acc[j][2 * c + 1] = _mm512_dpbf16_ps(acc[j][2 * c + 1], (__m512bh)hi[c], w);
-                }
-              }
-            }
-          }
-#pragma GCC unroll 4
-          for (int64_t j = 0; j < GB; ++j)
-            if (j < gn)
-#pragma GCC unroll 8
-              for (int64_t c = 0; c < C; ++c) accbuf[(g0 + j) * C + c] = acc[j][c];
-        }
+        const ValueChunk vc{v_cache, table, cache_block_stride, kvh * HD, row_stride, block_size, ctx, b0, b1};
+        Isa::values(vc, weights.data(), stride, group, corr.data(), accbuf.data(), trickle);
       }
-      for (int64_t g = 0; g < group; ++g) {
-        const __m512 inv = _mm512_set1_ps(l[g] > 0.f ? 1.f / l[g] : 0.f);
-        // undo the interleave: accumulator 2c (2c+1) lane i holds dim 32c + 8(i/4) + i%4 (+4)
-        BF* o = out + s * out_stride + (kvh * group + g) * HD;
-        for (int64_t c = 0; c < C2; ++c)
-          loraplane_cpu::store_unpacked32_bf16(o + 32 * c, _mm512_mul_ps(accbuf[g * C + 2 * c], inv),
-                                               _mm512_mul_ps(accbuf[g * C + 2 * c + 1], inv));
-      }
+      for (int64_t g = 0; g < group; ++g)
+        Isa::store(out + s * out_stride + (kvh * group + g) * HD, accbuf.data() + g * AV, l[g] > 0.f ? 1.f / l[g] : 0.f);
     }
   });
 }
@@ -457,7 +718,7 @@ void paged_decode_attention_(
   }
   TORCH_CHECK(k_cache.stride(0) == v_cache.stride(0), "k and v caches must share a layout");
   if (num_seqs == 0) return;
-#ifdef LORAPLANE_AVX512_BF16
+#if defined(LORAPLANE_AVX512_BF16) || defined(LORAPLANE_AVX2)
   if (q.scalar_type() == at::kBFloat16 && (head_dim == 64 || head_dim == 128)) {
     using BF = c10::BFloat16;
     auto* o = out.data_ptr<BF>();

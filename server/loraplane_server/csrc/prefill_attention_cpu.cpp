@@ -1,4 +1,4 @@
-// Causal attention for one prefill chunk, read from the paged KV cache, bf16 on AVX512-BF16 CPUs.
+// Causal attention for one prefill chunk, read from the paged KV cache, bf16 on AVX512-BF16 or AVX2 CPUs.
 //
 // The flash-attention algorithm with the dot products laid out for vdpbf16ps, so that no score
 // needs a horizontal sum (torch's CPU flash attention does not; what that measured:
@@ -17,9 +17,15 @@
 // position's heads go through it together, up to 4 at a time (`rows_step`), so that each key
 // vector and value pair is loaded once for all of them, not once per head.
 //
+// On AVX2 (x86-64-v3) the same loop (prefill_kernel) runs PrefillIsa's AVX2 parts: 8 keys a score
+// vector, each key dim pair split into its even and odd dims in fp32 (two FMAs, avx2::dot_pairs)
+// against the query dims broadcast, the scores held a few heads by a few vectors at a time in the
+// 16 registers, and P V a value row at a time straight from the cache, several heads by 16-64
+// dims a pass; the same numerics (fp32 scores and softmax, weights rounded to bf16 for P V).
+//
 // Registered as torch.ops.loraplane.paged_prefill_attention_ (in place on `out`); shapes the
-// kernel does not cover (other dtypes, head_dim not 64/128, a build without AVX512-BF16) are
-// refused, and the caller (attention/cpu_kernel.py) keeps its SDPA path for them.
+// kernel does not cover (other dtypes, head_dim not 64/128, a build with neither AVX512-BF16 nor
+// AVX2) are refused, and the caller (attention/cpu_kernel.py) keeps its SDPA path for them.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -39,11 +45,24 @@
 
 namespace {
 
-#ifdef LORAPLANE_AVX512_BF16
+#if defined(LORAPLANE_AVX512_BF16) || defined(LORAPLANE_AVX2)
 using BF = c10::BFloat16;
-constexpr int64_t kKeys = 64;       // keys per tile: four score vectors, one softmax update
+constexpr int64_t kKeys = 64;       // keys per tile: one softmax update per query row
 constexpr int64_t kQueryTile = 32;  // query positions per work item
 
+// keys -> (score vector, dim pair, token), L tokens a vector: kbuf[v * P + p][t] = (k_Lv+t[2p],
+// k_Lv+t[2p+1]) for the tile's key rows krow[0 .. kKeys).
+template <int64_t HD, int64_t L>
+inline void transpose_keys(const BF* const* krow, uint32_t (*kbuf)[L]) {
+  constexpr int64_t P = HD / 2;
+  for (int64_t t = 0; t < kKeys; ++t) {
+    const uint32_t* src = reinterpret_cast<const uint32_t*>(krow[t]);
+    for (int64_t p = 0; p < P; ++p) kbuf[(t / L) * P + p][t % L] = src[p];
+  }
+}
+#endif
+
+#ifdef LORAPLANE_AVX512_BF16
 // One query position's `group` heads (rows r0 .. r0 + group - 1 of the work item) against one key
 // tile, GB heads at a time: each key vector and each pair of value rows is loaded once for GB rows
 // (one row at a time, every vdpbf16ps waited on a load of its own). VV: score vectors in use.
@@ -130,12 +149,221 @@ inline void rows_step(int64_t r0, int64_t group, int64_t visible, const uint32_t
   }
 }
 
+// The prefill kernel's vector parts on AVX-512 BF16: 16 keys a score vector, a query row kept as
+// its bf16 dim pairs (broadcast one pair at a time), the values two tokens per vdpbf16ps (rows
+// interleaved); a row's accumulator vector 2c (2c+1) lane x holds dim 32c + 8(x/4) + x%4 (+4).
+struct PrefillIsa {
+  using QueryElem = uint32_t;  // a query row as HD / 2 bf16 dim pairs
+  template <int64_t HD>
+  static constexpr int64_t kQueryElems = HD / 2;
+  template <int64_t HD>
+  static void load_query(QueryElem* dst, const BF* src) {
+    std::memcpy(dst, src, HD * 2);
+  }
+  template <int64_t HD>
+  struct Tile {
+    static constexpr int64_t P = HD / 2, C2 = HD / 32;
+    __m512i kt[kKeys / 16 * P], vp[kKeys * C2];  // a key tile by dim pair; value rows by token pair, lo/hi
+    alignas(64) uint32_t kbuf[kKeys / 16 * P][16];
+    void load(const BF* const* krow, const BF* const* vrow, int64_t nk) {
+      transpose_keys<HD, 16>(krow, kbuf);
+      const int64_t nv = (nk + 15) / 16;  // score vectors in use
+      for (int64_t x = 0; x < nv * P; ++x) kt[x] = _mm512_load_si512(kbuf[x]);
+      // values -> token pairs interleaved; rows past nk get weight 0 (and are real, finite rows)
+      for (int64_t tp = 0; tp < (nk + 1) / 2; ++tp)
+        for (int64_t c = 0; c < C2; ++c) {
+          const __m512i a = _mm512_loadu_si512(vrow[2 * tp] + c * 32);
+          const __m512i b = _mm512_loadu_si512(vrow[2 * tp + 1] + c * 32);
+          vp[(tp * C2 + c) * 2] = _mm512_unpacklo_epi16(a, b);
+          vp[(tp * C2 + c) * 2 + 1] = _mm512_unpackhi_epi16(a, b);
+        }
+    }
+  };
+  template <int64_t HD, int64_t GB>
+  static void rows(const Tile<HD>& tile, const BF* const* /*vrow*/, int64_t r0, int64_t group, int64_t visible,
+                   const QueryElem* qbuf, float* acc, float* m, float* l, float scale) {
+    switch ((visible + 15) / 16) {
+      case 1: rows_step<HD, GB, 1>(r0, group, visible, qbuf, tile.kt, tile.vp, acc, m, l, scale); break;
+      case 2: rows_step<HD, GB, 2>(r0, group, visible, qbuf, tile.kt, tile.vp, acc, m, l, scale); break;
+      case 3: rows_step<HD, GB, 3>(r0, group, visible, qbuf, tile.kt, tile.vp, acc, m, l, scale); break;
+      default: rows_step<HD, GB, 4>(r0, group, visible, qbuf, tile.kt, tile.vp, acc, m, l, scale); break;
+    }
+  }
+  // o[0..HD) = ar * inv in bf16, the interleave undone.
+  template <int64_t HD>
+  static void store_row(BF* o, const float* ar, float inv) {
+    const __m512 iv = _mm512_set1_ps(inv);
+    for (int64_t c = 0; c < HD / 32; ++c)
+      loraplane_cpu::store_unpacked32_bf16(o + 32 * c, _mm512_mul_ps(_mm512_loadu_ps(ar + 32 * c), iv),
+                                           _mm512_mul_ps(_mm512_loadu_ps(ar + 32 * c + 16), iv));
+  }
+};
+
+#elif defined(LORAPLANE_AVX2)
+namespace avx2 = loraplane_cpu::avx2;
+
+// The first min(n, 8) lanes set (all bits), the rest 0.
+__attribute__((always_inline)) inline __m256 lanes_below(int64_t n) {
+  const __m256i index = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min<int64_t>(n, 8))), index));
+}
+
+// s[g][8 v0 .. 8 (v0 + VB)) = q_g . k over score vectors v0 .. v0 + VB - 1 of the tile, for SG
+// query rows qf + g * HD (fp32): per dim pair, VB key vectors split into their even and odd dims
+// (two bit operations each), then two FMAs per head and vector, the SG x VB sums in registers.
+template <int64_t HD, int64_t SG, int64_t VB>
+__attribute__((always_inline)) inline void scores_block(const uint32_t (*kbuf)[8], int64_t v0, const float* qf,
+                                                        float (*s)[kKeys]) {
+  constexpr int64_t P = HD / 2;
+  __m256 acc[SG][VB];
+#pragma GCC unroll 4
+  for (int64_t g = 0; g < SG; ++g)
+#pragma GCC unroll 8
+    for (int64_t v = 0; v < VB; ++v) acc[g][v] = _mm256_setzero_ps();
+  for (int64_t p = 0; p < P; ++p) {
+    __m256 qe[SG], qo[SG];
+#pragma GCC unroll 4
+    for (int64_t g = 0; g < SG; ++g) {
+      qe[g] = _mm256_broadcast_ss(qf + g * HD + 2 * p);
+      qo[g] = _mm256_broadcast_ss(qf + g * HD + 2 * p + 1);
+    }
+#pragma GCC unroll 8
+    for (int64_t v = 0; v < VB; ++v) {
+      const __m256i bits = _mm256_load_si256(reinterpret_cast<const __m256i*>(kbuf[(v0 + v) * P + p]));
+      const __m256 ke = avx2::even_f32(bits), ko = avx2::odd_f32(bits);
+#pragma GCC unroll 4
+      for (int64_t g = 0; g < SG; ++g) acc[g][v] = avx2::dot_pairs(acc[g][v], ke, ko, qe[g], qo[g]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int64_t g = 0; g < SG; ++g)
+#pragma GCC unroll 8
+    for (int64_t v = 0; v < VB; ++v) _mm256_store_ps(s[g] + 8 * (v0 + v), acc[g][v]);
+}
+
+// One query position's `group` heads (rows r0 .. r0 + group - 1 of the work item) against one key
+// tile, GB heads at a time, as rows_step on AVX-512: the scores (SG heads by VB key vectors a
+// pass, as the 16 registers hold them), one online-softmax update per row, the weights rounded to
+// bf16, then P V one value row at a time straight from the cache, GB heads by DT dims a pass.
+template <int64_t HD, int64_t GB>
+inline void rows_step(int64_t r0, int64_t group, int64_t visible, const uint32_t (*kbuf)[8], const BF* const* vrow,
+                      const float* qf, float* acc, float* m, float* l, float scale) {
+  constexpr int64_t SG = GB == 4 ? 2 : GB;                   // heads per scores pass
+  constexpr int64_t VB = SG == 1 ? 8 : SG == 2 ? 4 : 2;      // key vectors per scores pass (divides 8)
+  constexpr int64_t DT = GB == 1 ? 64 : GB == 2 ? 32 : 16;   // dims per P V pass
+  constexpr int64_t A = DT / 8;
+  const __m256 neg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m256 scale_v = _mm256_set1_ps(scale);
+  const int64_t nv = (visible + 7) / 8;  // score vectors in use
+  for (int64_t g0 = 0; g0 < group; g0 += GB) {
+    const int64_t r = r0 + g0;
+    alignas(32) float s[GB][kKeys];  // the scores, then the weights (bf16 values as fp32)
+#pragma GCC unroll 2
+    for (int64_t h = 0; h < GB; h += SG)
+      for (int64_t v0 = 0; v0 < nv; v0 += VB) scores_block<HD, SG, VB>(kbuf, v0, qf + (r + h) * HD, s + h);
+    float corr[GB];
+#pragma GCC unroll 4
+    for (int64_t g = 0; g < GB; ++g) {
+      __m256 smax = neg_inf;
+      for (int64_t v = 0; v < nv; ++v) {
+        const __m256 x = _mm256_blendv_ps(neg_inf, _mm256_mul_ps(_mm256_load_ps(s[g] + 8 * v), scale_v),
+                                          lanes_below(visible - 8 * v));
+        _mm256_store_ps(s[g] + 8 * v, x);
+        smax = _mm256_max_ps(smax, x);
+      }
+      const float mx = std::max(m[r + g], avx2::hmax(smax));
+      corr[g] = std::exp(m[r + g] - mx);  // 0 on the first tile (m = -inf)
+      const __m256 mxv = _mm256_set1_ps(mx);
+      __m256 psum = _mm256_setzero_ps();
+      for (int64_t v = 0; v < nv; ++v) {
+        const __m256 x = _mm256_load_ps(s[g] + 8 * v);
+        const __m256 seen = _mm256_cmp_ps(x, neg_inf, _CMP_NEQ_OQ);  // masked keys weigh exactly 0
+        const __m256 pr = _mm256_and_ps(seen, avx2::exp_clamped8(_mm256_sub_ps(x, mxv)));
+        psum = _mm256_add_ps(psum, pr);
+        _mm256_store_ps(s[g] + 8 * v, _mm256_castsi256_ps(_mm256_slli_epi32(avx2::round_to_bf16_lanes(pr), 16)));
+      }
+      l[r + g] = l[r + g] * corr[g] + avx2::hsum(psum);
+      m[r + g] = mx;
+    }
+    for (int64_t d0 = 0; d0 < HD; d0 += DT) {
+      __m256 a[GB][A];
+#pragma GCC unroll 4
+      for (int64_t g = 0; g < GB; ++g) {
+        const __m256 cv = _mm256_set1_ps(corr[g]);
+#pragma GCC unroll 8
+        for (int64_t c = 0; c < A; ++c) a[g][c] = _mm256_mul_ps(_mm256_loadu_ps(acc + (r + g) * HD + d0 + 8 * c), cv);
+      }
+      for (int64_t t = 0; t < visible; ++t) {
+        const BF* row = vrow[t] + d0;
+        __m256 w[GB];
+#pragma GCC unroll 4
+        for (int64_t g = 0; g < GB; ++g) w[g] = _mm256_broadcast_ss(s[g] + t);
+#pragma GCC unroll 4
+        for (int64_t c = 0; c < DT / 16; ++c) {
+          const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 16 * c));
+          const __m256 even = avx2::even_f32(bits), odd = avx2::odd_f32(bits);
+#pragma GCC unroll 4
+          for (int64_t g = 0; g < GB; ++g) {
+            a[g][2 * c] = _mm256_fmadd_ps(even, w[g], a[g][2 * c]);
+            a[g][2 * c + 1] = _mm256_fmadd_ps(odd, w[g], a[g][2 * c + 1]);
+          }
+        }
+      }
+#pragma GCC unroll 4
+      for (int64_t g = 0; g < GB; ++g)
+#pragma GCC unroll 8
+        for (int64_t c = 0; c < A; ++c) _mm256_storeu_ps(acc + (r + g) * HD + d0 + 8 * c, a[g][c]);
+    }
+  }
+}
+
+// The prefill kernel's vector parts on AVX2: 8 keys a score vector, a query row kept in fp32
+// (broadcast one dim at a time), the keys' dim pairs split into even and odd dims at use
+// (avx2::dot_pairs), the value rows read from the cache as they are; a row's accumulator holds
+// each 16 dims as its 8 even dims, then its 8 odd dims.
+struct PrefillIsa {
+  using QueryElem = float;  // a query row in fp32
+  template <int64_t HD>
+  static constexpr int64_t kQueryElems = HD;
+  template <int64_t HD>
+  static void load_query(QueryElem* dst, const BF* src) {
+    for (int64_t c = 0; c < HD / 8; ++c) _mm256_storeu_ps(dst + 8 * c, avx2::load8_bf16_as_f32(src + 8 * c, 8));
+  }
+  template <int64_t HD>
+  struct Tile {
+    alignas(32) uint32_t kbuf[kKeys / 8 * HD / 2][8];
+    void load(const BF* const* krow, const BF* const* /*vrow*/, int64_t /*nk*/) { transpose_keys<HD, 8>(krow, kbuf); }
+  };
+  template <int64_t HD, int64_t GB>
+  static void rows(const Tile<HD>& tile, const BF* const* vrow, int64_t r0, int64_t group, int64_t visible,
+                   const QueryElem* qf, float* acc, float* m, float* l, float scale) {
+    rows_step<HD, GB>(r0, group, visible, tile.kbuf, vrow, qf, acc, m, l, scale);
+  }
+  // o[0..HD) = ar * inv in bf16: each 16 dims' even and odd halves interleaved back in order.
+  template <int64_t HD>
+  static void store_row(BF* o, const float* ar, float inv) {
+    const __m256 iv = _mm256_set1_ps(inv);
+    for (int64_t c = 0; c < HD / 16; ++c) {
+      const __m256 even = _mm256_mul_ps(_mm256_loadu_ps(ar + 16 * c), iv);
+      const __m256 odd = _mm256_mul_ps(_mm256_loadu_ps(ar + 16 * c + 8), iv);
+      // 128-bit lane 0: dims 0..3 | 4..7, lane 1: 8..11 | 12..15, so packus leaves them in order
+      const __m256i lo = avx2::round_to_bf16_lanes(_mm256_unpacklo_ps(even, odd));
+      const __m256i hi = avx2::round_to_bf16_lanes(_mm256_unpackhi_ps(even, odd));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16 * c), _mm256_packus_epi32(lo, hi));
+    }
+  }
+};
+#endif
+
+#if defined(LORAPLANE_AVX512_BF16) || defined(LORAPLANE_AVX2)
+// The flash-attention loop over (kv head, query tile) work items, shared by both instruction sets
+// (PrefillIsa: the vector parts). GB: heads per register block, a divisor of the group.
 template <int64_t HD, int64_t GB>
 void prefill_kernel(BF* out, int64_t out_stride, const BF* q, int64_t q_stride, const BF* k_cache, const BF* v_cache,
                     int64_t cache_block_stride, int64_t block_size, int64_t num_kv_heads, int64_t group,
                     const int64_t* table, int64_t n, int64_t ctx, float scale) {
-  constexpr int64_t P = HD / 2;   // dim pairs: key-side vectors per key tile
-  constexpr int64_t C2 = HD / 32; // 32-wide bf16 chunks of a value row
+  using Isa = PrefillIsa;
+  constexpr int64_t QE = Isa::kQueryElems<HD>;
   const int64_t row_stride = num_kv_heads * HD;
   const int64_t tiles = (n + kQueryTile - 1) / kQueryTile;
   const auto cost = [&](int64_t item) {  // the keys a tile's queries see
@@ -144,66 +372,39 @@ void prefill_kernel(BF* out, int64_t out_stride, const BF* q, int64_t q_stride, 
   loraplane_cpu::parallel_by_cost(num_kv_heads * tiles, cost, [&](int64_t begin, int64_t end) {
     const int64_t rows_max = group * kQueryTile;
     std::vector<float> acc(rows_max * HD), m(rows_max), l(rows_max);
-    std::vector<uint32_t> qbuf(rows_max * P);  // the tile's query rows as bf16 dim pairs
-    __m512i kt[kKeys / 16 * P], vp[kKeys * C2];  // a key tile by dim pair; value rows by token pair, lo/hi
-    alignas(64) uint32_t kbuf[kKeys / 16 * P][16];
+    std::vector<Isa::QueryElem> qbuf(rows_max * QE);  // the tile's query rows
+    typename Isa::template Tile<HD> tile;  // the key tile (and value tile) in the kernel's layout
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t kvh = item / tiles, tile = item % tiles;
-      const int64_t i0 = tile * kQueryTile, i1 = std::min(n, i0 + kQueryTile);
+      const int64_t kvh = item / tiles, t = item % tiles;
+      const int64_t i0 = t * kQueryTile, i1 = std::min(n, i0 + kQueryTile);
       const int64_t rows = group * (i1 - i0);  // row r: query i0 + r / group, head kvh * group + r % group
       std::fill(acc.begin(), acc.begin() + rows * HD, 0.f);
       std::fill(m.begin(), m.begin() + rows, -std::numeric_limits<float>::infinity());
       std::fill(l.begin(), l.begin() + rows, 0.f);
       for (int64_t r = 0; r < rows; ++r)
-        std::memcpy(qbuf.data() + r * P, q + (i0 + r / group) * q_stride + (kvh * group + r % group) * HD, HD * 2);
+        Isa::load_query<HD>(qbuf.data() + r * QE, q + (i0 + r / group) * q_stride + (kvh * group + r % group) * HD);
       const int64_t last_key = ctx + i1;  // keys [0, last_key) are visible to some query of the tile
       for (int64_t j0 = 0; j0 < last_key; j0 += kKeys) {
         const int64_t nk = std::min(kKeys, last_key - j0);
         const BF* krow[kKeys];
         const BF* vrow[kKeys];
-        for (int64_t t = 0; t < kKeys; ++t) {
-          const int64_t j = j0 + std::min(t, nk - 1);  // past nk: a repeat of the last row, masked below
+        for (int64_t k = 0; k < kKeys; ++k) {
+          const int64_t j = j0 + std::min(k, nk - 1);  // past nk: a repeat of the last row, masked
           const int64_t off = table[j / block_size] * cache_block_stride + (j % block_size) * row_stride + kvh * HD;
-          krow[t] = k_cache + off;
-          vrow[t] = v_cache + off;
+          krow[k] = k_cache + off;
+          vrow[k] = v_cache + off;
         }
-        // keys -> (score vector, dim pair, token): kt[v * P + p] lane t = (k_16v+t[2p], k_16v+t[2p+1])
-        for (int64_t t = 0; t < kKeys; ++t) {
-          const uint32_t* src = reinterpret_cast<const uint32_t*>(krow[t]);
-          for (int64_t p = 0; p < P; ++p) kbuf[(t / 16) * P + p][t % 16] = src[p];
-        }
-        const int64_t nv = (nk + 15) / 16;  // score vectors in use
-        for (int64_t x = 0; x < nv * P; ++x) kt[x] = _mm512_load_si512(kbuf[x]);
-        // values -> token pairs interleaved; rows past nk get weight 0 (and are real, finite rows)
-        for (int64_t tp = 0; tp < (nk + 1) / 2; ++tp)
-          for (int64_t c = 0; c < C2; ++c) {
-            const __m512i a = _mm512_loadu_si512(vrow[2 * tp] + c * 32);
-            const __m512i b = _mm512_loadu_si512(vrow[2 * tp + 1] + c * 32);
-            vp[(tp * C2 + c) * 2] = _mm512_unpacklo_epi16(a, b);
-            vp[(tp * C2 + c) * 2 + 1] = _mm512_unpackhi_epi16(a, b);
-          }
+        tile.load(krow, vrow, nk);
         for (int64_t i = i0; i < i1; ++i) {
           const int64_t visible = std::min<int64_t>(nk, ctx + i + 1 - j0);  // keys of this tile query i sees
           if (visible <= 0) continue;
-          const int64_t r0 = (i - i0) * group;
-          switch ((visible + 15) / 16) {
-            case 1: rows_step<HD, GB, 1>(r0, group, visible, qbuf.data(), kt, vp, acc.data(), m.data(), l.data(), scale); break;
-            case 2: rows_step<HD, GB, 2>(r0, group, visible, qbuf.data(), kt, vp, acc.data(), m.data(), l.data(), scale); break;
-            case 3: rows_step<HD, GB, 3>(r0, group, visible, qbuf.data(), kt, vp, acc.data(), m.data(), l.data(), scale); break;
-            default: rows_step<HD, GB, 4>(r0, group, visible, qbuf.data(), kt, vp, acc.data(), m.data(), l.data(), scale); break;
-          }
+          Isa::rows<HD, GB>(tile, vrow, (i - i0) * group, group, visible, qbuf.data(), acc.data(), m.data(), l.data(),
+                            scale);
         }
       }
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t i = i0 + r / group, h = kvh * group + r % group;
-        const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
-        const float* ar = acc.data() + r * HD;
-        BF* o = out + i * out_stride + h * HD;
-        // undo the interleave: accumulator 2c (2c+1) lane x holds dim 32c + 8(x/4) + x%4 (+4)
-        const __m512 iv = _mm512_set1_ps(inv);
-        for (int64_t c = 0; c < C2; ++c)
-          loraplane_cpu::store_unpacked32_bf16(o + 32 * c, _mm512_mul_ps(_mm512_loadu_ps(ar + 32 * c), iv),
-                                               _mm512_mul_ps(_mm512_loadu_ps(ar + 32 * c + 16), iv));
+        Isa::store_row<HD>(out + i * out_stride + h * HD, acc.data() + r * HD, l[r] > 0.f ? 1.f / l[r] : 0.f);
       }
     }
   });
@@ -237,14 +438,14 @@ void paged_prefill_attention_(at::Tensor& out, const at::Tensor& q, const at::Te
               "block_table must be a contiguous int64 [W]");
   TORCH_CHECK(ctx >= 0 && block_table.size(0) * block_size >= ctx + n, "block_table must cover ctx + n tokens");
   if (n == 0) return;
-#ifdef LORAPLANE_AVX512_BF16
-  using BF = c10::BFloat16;
+#if defined(LORAPLANE_AVX512_BF16) || defined(LORAPLANE_AVX2)
   auto run = [&](auto kernel) {
     kernel(out.data_ptr<BF>(), out.stride(0), q.data_ptr<BF>(), q.stride(0), k_cache.data_ptr<BF>(),
            v_cache.data_ptr<BF>(), k_cache.stride(0), block_size, kv_heads, heads / kv_heads,
            block_table.data_ptr<int64_t>(), n, ctx, static_cast<float>(scale));
   };
-  // heads per register block: the largest that divides the group with GB x head_dim/16 accumulators <= 16
+  // heads per register block: the largest that divides the group with GB x head_dim/16 accumulators
+  // <= 16 (AVX-512); AVX2 passes over the dims in parts, so head_dim 128 takes head_dim 64's blocks
   const int64_t group = heads / kv_heads;
   if (D == 64) {
     if (group % 4 == 0) {
@@ -257,6 +458,16 @@ void paged_prefill_attention_(at::Tensor& out, const at::Tensor& q, const at::Te
       run(prefill_kernel<64, 1>);
     }
   } else {
+#ifdef LORAPLANE_AVX2
+    if (group % 4 == 0) {
+      run(prefill_kernel<128, 4>);
+      return;
+    }
+    if (group % 3 == 0) {
+      run(prefill_kernel<128, 3>);
+      return;
+    }
+#endif
     if (group % 2 == 0) {
       run(prefill_kernel<128, 2>);
     } else {
@@ -264,7 +475,7 @@ void paged_prefill_attention_(at::Tensor& out, const at::Tensor& q, const at::Te
     }
   }
 #else
-  TORCH_CHECK(false, "paged_prefill_attention_: built without AVX512-BF16");
+  TORCH_CHECK(false, "paged_prefill_attention_: built without the bf16 kernels (AVX-512 BF16 or AVX2)");
 #endif
 }
 
