@@ -1,6 +1,7 @@
 """The CPU kernel attention backend (layers/cpu_kernels.py): decode rows through csrc/paged_attention_cpu.cpp,
-prefill chunks in bf16 (head_dim 64 or 128, a build with the bf16 paths: AVX-512 BF16 or AVX2) through csrc/prefill_attention_cpu.cpp's
-flash attention, both reading the KV blocks in place; other prefill chunks through torch's SDPA."""
+prefill chunks in bf16 (head_dim 64 or 128, a build with the bf16 paths: AVX-512 BF16 or AVX2) through
+csrc/prefill_attention_cpu.cpp's flash attention, both reading the KV blocks in place; other prefill chunks
+through torch's SDPA."""
 
 from __future__ import annotations
 
