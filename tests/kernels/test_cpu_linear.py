@@ -57,6 +57,30 @@ def test_a_row_does_not_depend_on_the_rows_beside_it() -> None:
         assert torch.equal(cpu_kernels.linear(x[lo:hi], w), full[lo:hi]), (lo, hi)
 
 
+@pytest.mark.parametrize("k", [2, 16, 33, 129, 130])
+def test_shapes_around_the_tile_edges(k: int) -> None:
+    """Row counts either side of the GEMM's register tiles and packed chunks (8, 24 and 72 rows in
+    the AVX2 build, 16 and 64 in the AVX-512 one), W row counts either side of its tiles and blocks,
+    short and odd K: each within bf16 rounding of fp32; on the GEMM path (5 rows and more, even K)
+    each row the same bits as in a call of 200 rows; the fused SiLU the same bits as the two ops."""
+    gen = torch.Generator().manual_seed(k)
+    x = torch.randn(200, k, generator=gen).to(torch.bfloat16)
+    for n in (1, 5, 13, 26, 50):
+        w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
+        b = torch.randn(n, generator=gen).to(torch.bfloat16)
+        full = cpu_kernels.linear(x, w, b)
+        assert within_bf16_rounding(full, F.linear(x.float(), w.float(), b.float())), n
+        for rows in (1, 2, 3, 4, 5, 8, 9, 17, 23, 24, 25, 63, 64, 65, 71, 72, 73, 97, 199):
+            part = cpu_kernels.linear(x[200 - rows :], w, b)
+            if rows > 4 and k % 2 == 0:
+                assert torch.equal(part, full[200 - rows :]), (n, rows)
+            else:
+                assert within_bf16_rounding(part, F.linear(x[200 - rows :].float(), w.float(), b.float())), (n, rows)
+            if n % 2 == 0:
+                fused = cpu_kernels.linear_silu_mul(x[200 - rows :], w, b)
+                assert torch.equal(fused, cpu_kernels.silu_mul(cpu_kernels.linear(x[200 - rows :], w, b))), (n, rows)
+
+
 def test_other_dtypes_fall_back_to_torch() -> None:
     x, w = torch.randn(3, 40), torch.randn(10, 40)
     assert torch.equal(cpu_kernels.linear(x, w), F.linear(x, w))

@@ -28,9 +28,17 @@
 // their up rows and writes silu(gate) * up, so the [M, 2I] product never goes to memory and no
 // separate pass reads it back.
 //
+// The above is the AVX-512 BF16 build. The AVX2 build (x86-64-v3) has the same two paths over 8-lane
+// fp32, each pair product two FMAs over its values widened by a shift and a mask: the few-rows path
+// dots 16 values a step; the GEMM packs x into 24-row panels already widened and split into even
+// and odd values ([K/2][2][rows] fp32), broadcasts a pair's even value of W and then its odd one into
+// MT x NR = 3 x 4 accumulators of 8 rows (2 x 6 or 1 x 12 for a panel's last rows), and runs each
+// block of 12 rows of W against the 3 panels of a 72-row chunk in turn.
+//
 // What each choice measured: docs/kernels.md.
-// Registered as torch.ops.loraplane.linear_ and linear_silu_mul_ (in-place on `out`). Builds
-// without AVX512-BF16 and other dtypes run the same ops over at::linear, so callers never need to ask.
+// Registered as torch.ops.loraplane.linear_ and linear_silu_mul_ (in-place on `out`). Builds with
+// neither AVX512-BF16 nor AVX2, and other dtypes, run the same ops over at::linear, so callers never
+// need to ask.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -47,8 +55,21 @@
 
 namespace {
 
-#ifdef LORAPLANE_AVX512_BF16
+#if defined(LORAPLANE_AVX512_BF16) || defined(LORAPLANE_AVX2)
+#define LORAPLANE_BF16_LINEAR 1  // this build has the bf16 paths below (one body per ISA)
 using BF = c10::BFloat16;
+
+constexpr int64_t kFewRows = 4;     // up to here the weight-streaming path wins (bench/linear.py)
+constexpr int64_t kGroupRows = 48;  // rows of W per unit of parallel work (a multiple of 4, 6, 8, 12)
+
+inline uint32_t load_u32(const void* p) {
+  uint32_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+#endif
+
+#ifdef LORAPLANE_AVX512_BF16
 using loraplane_cpu::bf16x16_to_f32;
 using loraplane_cpu::load32_bf16;
 using loraplane_cpu::silu_mul16;
@@ -89,47 +110,9 @@ inline void tile(BF* out, int64_t so, const BF* x, int64_t sx, const BF* w, int6
     }
 }
 
-// R rows of W against all M rows of x, four at a time.
-template <int R>
-inline void w_rows(BF* out, int64_t so, const BF* x, int64_t sx, const BF* w, int64_t M, int64_t K, const BF* bias) {
-  int64_t m = 0;
-  for (; m + 4 <= M; m += 4) tile<R, 4>(out + m * so, so, x + m * sx, sx, w, K, bias);
-  switch (M - m) {
-    case 3: tile<R, 3>(out + m * so, so, x + m * sx, sx, w, K, bias); break;
-    case 2: tile<R, 2>(out + m * so, so, x + m * sx, sx, w, K, bias); break;
-    case 1: tile<R, 1>(out + m * so, so, x + m * sx, sx, w, K, bias); break;
-    default: break;
-  }
-}
-
-template <int R>
-void few_rows_linear(BF* out, int64_t so, const BF* x, int64_t sx, const BF* w, const BF* bias, int64_t M,
-                     int64_t K, int64_t N) {
-  const int64_t groups = (N + R - 1) / R;
-  at::parallel_for(0, groups, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) {
-      const int64_t n = g * R;
-      if (n + R <= N) {
-        w_rows<R>(out + n, so, x, sx, w + n * K, M, K, bias == nullptr ? nullptr : bias + n);
-        continue;
-      }
-      for (int64_t j = n; j < N; ++j)
-        w_rows<1>(out + j, so, x, sx, w + j * K, M, K, bias == nullptr ? nullptr : bias + j);
-    }
-  });
-}
-
 // ---- the GEMM path -------------------------------------------------------------------------
 
-constexpr int64_t kFewRows = 4;     // up to here the weight-streaming path wins (bench/linear.py)
 constexpr int64_t kChunkRows = 64;  // rows of x per packed chunk: up to 4 zmm of 16 rows
-constexpr int64_t kGroupRows = 48;  // rows of W per unit of parallel work (a multiple of 6, 8, 12)
-
-inline uint32_t load_u32(const void* p) {
-  uint32_t v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
 
 // 16x16 transpose of 32-bit lanes: in[i] row i -> out[j] holds column j.
 __attribute__((always_inline)) inline void transpose16(__m512i (&r)[16]) {
@@ -271,6 +254,286 @@ void gemm_linear(BF* out, int64_t so, const BF* x, int64_t sx, const BF* w, cons
     }
   });
 }
+#elif defined(LORAPLANE_AVX2)
+// AVX2 + FMA (x86-64-v3): a bf16 pair (k, k + 1) is one 32-bit lane; its values widen to fp32 by a
+// shift (the even one) and a mask (the odd one), and a pair product is two FMAs (avx2::dot_pairs).
+// The same two paths as above over 8-lane fp32 vectors.
+namespace v2 = loraplane_cpu::avx2;
+
+// One 16-wide slice of K: R rows of W against MT rows of x. S = 2 sums the even and the odd
+// products in accumulators of their own ([.][.][0] and [1]): twice the independent FMA chains, for
+// the small tiles (M = 1 has one row of x, and each chain waits on its FMA's latency).
+template <int R, int MT, int S>
+__attribute__((always_inline)) inline void dot_step(__m256 (&acc)[R][MT][S], const BF* x, int64_t sx, const BF* w,
+                                                    int64_t K, int64_t k, int64_t n) {
+  __m256 we[R], wo[R];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) {
+    const __m256i b = v2::load16_bf16(w + r * K + k, n);
+    we[r] = v2::even_f32(b);
+    wo[r] = v2::odd_f32(b);
+  }
+#pragma GCC unroll 4
+  for (int m = 0; m < MT; ++m) {
+    const __m256i xb = v2::load16_bf16(x + m * sx + k, n);
+    const __m256 xe = v2::even_f32(xb), xo = v2::odd_f32(xb);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      if (S == 2) {
+        acc[r][m][0] = _mm256_fmadd_ps(we[r], xe, acc[r][m][0]);
+        acc[r][m][S - 1] = _mm256_fmadd_ps(wo[r], xo, acc[r][m][S - 1]);
+      } else {
+        acc[r][m][0] = v2::dot_pairs(acc[r][m][0], we[r], wo[r], xe, xo);
+      }
+    }
+  }
+}
+
+// out[m, r] = x[m] . w[r] (+ bias[r]) for R rows of W and MT rows of x.
+template <int R, int MT>
+inline void tile(BF* out, int64_t so, const BF* x, int64_t sx, const BF* w, int64_t K, const BF* bias) {
+  constexpr int S = R * MT <= 4 ? 2 : 1;  // 2 x 4 accumulators of 2 FMAs each already fill the FMA pipes
+  __m256 acc[R][MT][S];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int m = 0; m < MT; ++m)
+#pragma GCC unroll 2
+      for (int s = 0; s < S; ++s) acc[r][m][s] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) dot_step<R, MT, S>(acc, x, sx, w, K, k, 16);
+  if (k < K) dot_step<R, MT, S>(acc, x, sx, w, K, k, K - k);
+#pragma GCC unroll 4
+  for (int m = 0; m < MT; ++m)
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      float v = v2::hsum(S == 2 ? _mm256_add_ps(acc[r][m][0], acc[r][m][S - 1]) : acc[r][m][0]);
+      if (bias != nullptr) v += static_cast<float>(bias[r]);
+      out[m * so + r] = BF(v);
+    }
+}
+
+// ---- the GEMM path -------------------------------------------------------------------------
+
+constexpr int64_t kPanelRows = 24;  // rows of x per register tile: up to 3 ymm of 8 rows
+constexpr int64_t kChunkRows = 72;  // rows of x per packed chunk: 3 panels, which share each block of W
+constexpr int64_t kBlockRows = 12;  // rows of W run against every panel of a chunk in turn (a multiple of 4, 6)
+
+// 8x8 transpose of 32-bit lanes: r[i] row i -> r[j] column j.
+__attribute__((always_inline)) inline void transpose8(__m256 (&r)[8]) {
+  __m256 t[8], u[8];
+#pragma GCC unroll 4
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+#pragma GCC unroll 2
+  for (int i = 0; i < 8; i += 4) {  // u[i + c]: in each 128-bit lane j, column 4j + c of rows i..i+3
+    u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+    u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+    u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+#pragma GCC unroll 4
+  for (int c = 0; c < 4; ++c) {
+    r[c] = _mm256_permute2f128_ps(u[c], u[4 + c], 0x20);
+    r[4 + c] = _mm256_permute2f128_ps(u[c], u[4 + c], 0x31);
+  }
+}
+
+// One panel of `rows` (<= 24) rows of x into xp, widened to fp32 and split by pair: for each pair
+// kp, the rows' even values (width of them, width = rows rounded up to 8), then their odd values,
+// [K2][2][width]. The padding rows are zero. K is even. Widening here, once per call, keeps the
+// shifts and masks of x out of the GEMM's inner loop.
+void pack_panel(float* xp, const BF* x, int64_t sx, int64_t rows, int64_t K2, int64_t width) {
+  for (int64_t g = 0; g < width; g += 8) {
+    for (int64_t kp = 0; kp < K2; kp += 8) {
+      const int64_t n = std::min<int64_t>(8, K2 - kp);
+      __m256 r[8];
+#pragma GCC unroll 8
+      for (int i = 0; i < 8; ++i)
+        r[i] = g + i < rows ? _mm256_castsi256_ps(v2::load16_bf16(x + (g + i) * sx + 2 * kp, 2 * n))
+                            : _mm256_setzero_ps();
+      transpose8(r);
+      for (int64_t j = 0; j < n; ++j) {
+        const __m256i pairs = _mm256_castps_si256(r[j]);
+        _mm256_storeu_ps(xp + (kp + j) * 2 * width + g, v2::even_f32(pairs));
+        _mm256_storeu_ps(xp + (kp + j) * 2 * width + width + g, v2::odd_f32(pairs));
+      }
+    }
+  }
+}
+
+// out[m, n + r] = x[m] . w[n + r] (+ bias) for the panel's rows m and r < nr (<= NR), as the
+// AVX-512 gemm_tile (GLU included) with MT accumulators of 8 rows per row of W. Each pair step runs
+// in two halves: the even values of x against each row's even value (broadcast), then the odd ones,
+// so only MT vectors of x are live: MT x NR accumulators + MT + 1 registers of the 16. `prefetch`:
+// bring the next tile of W into L1 (the first panel; the others find this block there).
+template <int MT, int NR, bool GLU = false>
+__attribute__((noinline)) void gemm_tile(BF* out, int64_t so, int64_t rows, const float* xp, const BF* w, int64_t K2,
+                                         const BF* bias, int64_t nr, int64_t up, bool prefetch) {
+  constexpr int H = GLU ? NR / 2 : NR;  // rows of W per stream: one stream, or the gate and the up one
+  __m256 acc[NR][MT];
+#pragma GCC unroll 16
+  for (int r = 0; r < NR; ++r)
+#pragma GCC unroll 4
+    for (int j = 0; j < MT; ++j) acc[r][j] = _mm256_setzero_ps();
+  const char* next = reinterpret_cast<const char*>(w + H * 2 * K2);  // the tile after this one
+  const char* next_up = reinterpret_cast<const char*>(w + up + H * 2 * K2);
+  // row r of the tile at pair kp, from wk = w + 2 kp
+  const auto row = [&](const BF* wk, int r) { return GLU && r >= H ? wk + up + (r - H) * 2 * K2 : wk + r * 2 * K2; };
+  for (int64_t kp = 0; kp < K2; ++kp) {
+    if (prefetch) {
+      _mm_prefetch(next + kp * H * 4, _MM_HINT_T0);  // one tile's bytes over one tile's loop
+      if (GLU) _mm_prefetch(next_up + kp * H * 4, _MM_HINT_T0);
+    }
+    const float* xk = xp + kp * 2 * MT * 8;
+    const BF* wk = w + 2 * kp;
+    __m256 xv[MT];
+#pragma GCC unroll 4
+    for (int j = 0; j < MT; ++j) xv[j] = _mm256_loadu_ps(xk + j * 8);
+#pragma GCC unroll 16
+    for (int r = 0; r < NR; ++r) {
+      const __m256 b = v2::even_f32(_mm256_set1_epi32(static_cast<int>(load_u32(row(wk, r)))));
+#pragma GCC unroll 4
+      for (int j = 0; j < MT; ++j) acc[r][j] = _mm256_fmadd_ps(xv[j], b, acc[r][j]);
+    }
+    // the same pointer, hidden from the optimizer: else GCC keeps the first half's NR broadcasts
+    // for the second, and the registers they take spill accumulators; a second broadcast is a load
+    asm("" : "+r"(wk));
+#pragma GCC unroll 4
+    for (int j = 0; j < MT; ++j) xv[j] = _mm256_loadu_ps(xk + MT * 8 + j * 8);
+#pragma GCC unroll 16
+    for (int r = 0; r < NR; ++r) {
+      const __m256 b = v2::odd_f32(_mm256_set1_epi32(static_cast<int>(load_u32(row(wk, r)))));
+#pragma GCC unroll 4
+      for (int j = 0; j < MT; ++j) acc[r][j] = _mm256_fmadd_ps(xv[j], b, acc[r][j]);
+    }
+  }
+  alignas(32) uint16_t tile[H][MT * 8];
+  const auto with_bias = [&](int r, int j) {  // acc + bias, in fp32
+    const BF* br = bias == nullptr ? nullptr : (GLU && r >= H ? bias + up / (2 * K2) + (r - H) : bias + r);
+    return br != nullptr ? _mm256_add_ps(acc[r][j], _mm256_set1_ps(static_cast<float>(*br))) : acc[r][j];
+  };
+  // gate and up rounded to bf16 (the low half of each lane) and widened back, as linear_ leaves them
+  const auto rounded = [&](int r, int j) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(v2::round_to_bf16_lanes(with_bias(r, j)), 16));
+  };
+#pragma GCC unroll 16
+  for (int r = 0; r < H; ++r)
+#pragma GCC unroll 4
+    for (int j = 0; j < MT; ++j) {
+      const __m128i v = GLU ? v2::silu_mul8(rounded(r, j), rounded(r + H, j)) : v2::f32x8_to_bf16(with_bias(r, j));
+      _mm_store_si128(reinterpret_cast<__m128i*>(&tile[r][j * 8]), v);
+    }
+  for (int64_t m = 0; m < rows; ++m) {
+    uint16_t* o = reinterpret_cast<uint16_t*>(out + m * so);
+    for (int64_t r = 0; r < nr; ++r) o[r] = tile[r][m];
+  }
+}
+
+// Rows n..n + count of W (GLU: gate rows, with their up rows) against one panel, in tiles of NR rows
+// (count a multiple of NR / 2 for GLU, of NR otherwise), or one row (pair) a tile where count is 1.
+template <int MT, int NR, bool GLU>
+inline void panel_rows(BF* out, int64_t so, int64_t rows, const float* xp, const BF* w, int64_t K2, const BF* bias,
+                       int64_t n, int64_t count, int64_t up, bool prefetch) {
+  constexpr int H = GLU ? NR / 2 : NR;
+  const BF* b = bias == nullptr ? nullptr : bias + n;
+  if (count == 1) {
+    gemm_tile<MT, GLU ? 2 : 1, GLU>(out + n, so, rows, xp, w + n * 2 * K2, K2, b, 1, up, prefetch);
+    return;
+  }
+  for (int64_t i = 0; i < count; i += H)
+    gemm_tile<MT, NR, GLU>(out + n + i, so, rows, xp, w + (n + i) * 2 * K2, K2, b == nullptr ? nullptr : b + i, H, up,
+                           prefetch);
+}
+
+// Rows n0..n1 of W (GLU: gate rows) against one packed chunk of `rows` rows: a block of kBlockRows
+// rows of W (GLU: half of them gate rows, half their up rows) against each panel in turn, so the
+// block is read from memory once and from L1 for the other panels; single rows for the tail. The
+// tile's width (NR rows of W) suits the panel's MT: 3 x 4, 2 x 6 or 1 x 12 accumulators.
+template <bool GLU = false>
+void gemm_rows(BF* out, int64_t so, int64_t rows, const float* xp, const BF* w, int64_t K2, const BF* bias,
+               int64_t n0, int64_t n1, int64_t up = 0) {
+  constexpr int64_t block = GLU ? kBlockRows / 2 : kBlockRows;
+  const auto run = [&](int64_t n, int64_t count) {
+    for (int64_t p = 0; p * kPanelRows < rows; ++p) {
+      const int64_t prow = std::min(kPanelRows, rows - p * kPanelRows);
+      const float* pp = xp + p * kPanelRows * 2 * K2;
+      BF* op = out + p * kPanelRows * so;
+      switch ((prow + 7) / 8) {
+        case 3: panel_rows<3, 4, GLU>(op, so, prow, pp, w, K2, bias, n, count, up, p == 0); break;
+        case 2: panel_rows<2, 6, GLU>(op, so, prow, pp, w, K2, bias, n, count, up, p == 0); break;
+        default: panel_rows<1, 12, GLU>(op, so, prow, pp, w, K2, bias, n, count, up, p == 0); break;
+      }
+    }
+  };
+  int64_t n = n0;
+  for (; n + block <= n1; n += block) run(n, block);
+  for (; n < n1; ++n) run(n, 1);
+}
+
+// N: rows of W, or, for GLU, gate rows (W holds N gate rows, then N up rows; out is [M, N]).
+template <bool GLU = false>
+void gemm_linear(BF* out, int64_t so, const BF* x, int64_t sx, const BF* w, const BF* bias, int64_t M, int64_t K,
+                 int64_t N) {
+  const int64_t K2 = K / 2, panels = (M + kPanelRows - 1) / kPanelRows;
+  const int64_t up = GLU ? N * K : 0;            // elements from a gate row of W to its up row
+  const int64_t group = GLU ? kGroupRows / 2 : kGroupRows;  // output columns per unit of parallel work
+  const int64_t panel_floats = kPanelRows * 2 * K2;
+  // uninitialized: pack_panel writes every value of every row up to the panel's width. Aligned to
+  // 64 bytes, so each pair step's loads of x stay within cache lines (as new[] returned it, 16 bytes
+  // into a fresh mapping, every other load spanned two lines: ~25% slower at K = 1536)
+  std::unique_ptr<float[]> buffer(new float[static_cast<size_t>(panels * panel_floats + 16)]);
+  float* const packed = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buffer.get()) + 63) & ~uintptr_t{63});
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t rows = std::min(kPanelRows, M - p * kPanelRows);
+      pack_panel(packed + p * panel_floats, x + p * kPanelRows * sx, sx, rows, K2, (rows + 7) / 8 * 8);
+    }
+  });
+  // each thread takes whole groups of W rows and runs them against every chunk in turn
+  at::parallel_for(0, (N + group - 1) / group, 1, [&](int64_t begin, int64_t end) {
+    const int64_t n0 = begin * group, n1 = std::min(N, end * group);
+    for (int64_t c = 0; c * kChunkRows < M; ++c) {
+      const int64_t rows = std::min(kChunkRows, M - c * kChunkRows);
+      const float* xp = packed + c * (kChunkRows / kPanelRows) * panel_floats;
+      gemm_rows<GLU>(out + c * kChunkRows * so, so, rows, xp, w, K2, bias, n0, n1, up);
+    }
+  });
+}
+#endif
+
+#ifdef LORAPLANE_BF16_LINEAR
+// R rows of W against all M rows of x, four at a time.
+template <int R>
+inline void w_rows(BF* out, int64_t so, const BF* x, int64_t sx, const BF* w, int64_t M, int64_t K, const BF* bias) {
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) tile<R, 4>(out + m * so, so, x + m * sx, sx, w, K, bias);
+  switch (M - m) {
+    case 3: tile<R, 3>(out + m * so, so, x + m * sx, sx, w, K, bias); break;
+    case 2: tile<R, 2>(out + m * so, so, x + m * sx, sx, w, K, bias); break;
+    case 1: tile<R, 1>(out + m * so, so, x + m * sx, sx, w, K, bias); break;
+    default: break;
+  }
+}
+
+template <int R>
+void few_rows_linear(BF* out, int64_t so, const BF* x, int64_t sx, const BF* w, const BF* bias, int64_t M,
+                     int64_t K, int64_t N) {
+  const int64_t groups = (N + R - 1) / R;
+  at::parallel_for(0, groups, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t n = g * R;
+      if (n + R <= N) {
+        w_rows<R>(out + n, so, x, sx, w + n * K, M, K, bias == nullptr ? nullptr : bias + n);
+        continue;
+      }
+      for (int64_t j = n; j < N; ++j)
+        w_rows<1>(out + j, so, x, sx, w + j * K, M, K, bias == nullptr ? nullptr : bias + j);
+    }
+  });
+}
 #endif
 
 }  // namespace
@@ -293,7 +556,7 @@ void linear_(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, const c1
     TORCH_CHECK(bias->scalar_type() == x.scalar_type(), "linear_: bias must share x's dtype");
   }
   if (M == 0 || N == 0) return;
-#ifdef LORAPLANE_AVX512_BF16
+#ifdef LORAPLANE_BF16_LINEAR
   if (x.scalar_type() == at::kBFloat16) {
     auto* po = out.data_ptr<BF>();
     const auto *px = x.data_ptr<BF>(), *pw = w.data_ptr<BF>();
@@ -319,7 +582,7 @@ void linear_silu_mul_(at::Tensor& out, const at::Tensor& x, const at::Tensor& w,
               "linear_silu_mul_: x [M, K], w [2I, K], out [M, I]");
   const int64_t M = x.size(0), K = x.size(1), I = w.size(0) / 2;
   TORCH_CHECK(out.size(0) == M && out.size(1) == I, "linear_silu_mul_: out must be [", M, ", ", I, "]");
-#ifdef LORAPLANE_AVX512_BF16
+#ifdef LORAPLANE_BF16_LINEAR
   if (x.scalar_type() == at::kBFloat16 && M > kFewRows && K % 2 == 0) {
     TORCH_CHECK(w.size(1) == K, "linear_silu_mul_: w has ", w.size(1), " columns, x has ", K);
     TORCH_CHECK(w.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16,
