@@ -4,7 +4,7 @@ For each number of rows M (a decode step's batch), runs every projection of Smol
 layers (q|k|v, o, gate|up, down; weights laid out one after another, so they stream from DRAM
 as in a real step) and the tied 49152-row lm_head, with both implementations, min of several
 repeats. The kernel streams W row by row for up to 4 rows and runs a register-tiled GEMM above
-that; the engine uses it up to `cpu_kernels.LINEAR_MAX_ROWS` rows.
+that; the engine uses it up to `cpu_kernels.linear_max_rows()` rows (its build's own threshold).
 
 Run: .venv/bin/python bench/linear.py [--threads 1 2] [--out bench/out/linear.json]
 """
@@ -84,7 +84,7 @@ def main() -> None:
     torch.set_num_threads(threads0)
     out = {
         "machine": machine(),
-        "engine_uses_kernel_up_to_rows": cpu_kernels.LINEAR_MAX_ROWS,
+        "engine_uses_kernel_up_to_rows": cpu_kernels.linear_max_rows(),
         "results": results,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

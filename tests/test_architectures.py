@@ -464,26 +464,31 @@ def test_context_limits(kind: str, overrides: dict, expected: int, tmp_path: Pat
 
 @pytest.mark.requires_cpu_kernels
 def test_qwen3_under_an_avx2_build(model_dirs: dict[str, Path]) -> None:
-    """What an AVX2-only CPU runs (fp32, the decode-attention kernel's generic path) still equals transformers."""
+    """What an AVX2-only CPU runs in fp32 (the decode-attention kernel's portable path, torch's layers) still equals
+    transformers token for token; its default there is bf16 on the kernels (test_bf16_follows_the_fp32_model
+    covers that in the AVX2 pass of make test)."""
     model_dir = model_dirs["qwen3"]
     prompts, max_new, _ = prompts_within(96, seed=13)
     code = (
         "import json, sys\n"
         "from loraplane_server.config import EngineConfig\n"
-        "from loraplane_server.engine import LLMEngine\n"
+        "import torch\n"
+        "from loraplane_server.engine import LLMEngine, resolve_dtype\n"
         "from loraplane_server.layers import cpu_kernels\n"
         "from loraplane_server.sampling_params import SamplingParams\n"
-        f"engine = LLMEngine(EngineConfig(model={str(model_dir)!r}, block_size=4, num_kv_blocks=256))\n"
+        f"config = EngineConfig(model={str(model_dir)!r}, dtype='float32', block_size=4, num_kv_blocks=256)\n"
+        "engine = LLMEngine(config)\n"
         f"prompts, max_new = {prompts!r}, {max_new!r}\n"
         "outs = engine.generate(prompts, [SamplingParams(max_new_tokens=n) for n in max_new])\n"
         "print(json.dumps(dict(isa=cpu_kernels.isa(), dtype=str(engine.dtype), attention=engine.attention_backend,"
-        " tokens=[o.token_ids for o in outs])))\n"
+        " auto=str(resolve_dtype('auto', torch.device('cpu'))), tokens=[o.token_ids for o in outs])))\n"
     )
     env = {**os.environ, "LORAPLANE_CPU_ISA": "avx2"}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=1800)
     assert done.returncode == 0, done.stderr[-4000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert (report["isa"], report["dtype"], report["attention"]) == ("avx2", "torch.float32", "cpu_kernel")
+    assert report["auto"] == "torch.bfloat16"
     assert report["tokens"] == hf_greedy(model_dir, prompts, max_new)
 
 

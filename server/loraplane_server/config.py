@@ -33,7 +33,7 @@ class EngineConfig:
     # else torch) | torch | cpu_kernel
     # | triton
     attention_backend: str = "auto"
-    # dense layers (linear up to cpu_kernels.LINEAR_MAX_ROWS rows, fused norm/rotary/activation, BGMV):
+    # dense layers (linear up to cpu_kernels.linear_max_rows() rows, fused norm/rotary/activation, BGMV):
     # auto (cpu_kernel on the CPU in bf16 when it builds, else torch) | torch | cpu_kernel
     layer_backend: str = "auto"
     # with the layer kernels and cpu_kernel attention: the layers before the last as one call each to the fused

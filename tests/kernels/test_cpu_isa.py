@@ -33,6 +33,8 @@ def test_the_library_reports_the_isa_of_this_cpu() -> None:
     assert f"loraplane_cpu-{expected}-" in cpu_kernels.build_dir().name
     bf16 = expected != "generic"
     assert cpu_kernels.has_bf16_kernels() == bf16
+    # above 1024 rows oneDNN's bf16 GEMM wins with AVX-512 BF16; elsewhere the kernel takes every size
+    assert cpu_kernels.linear_max_rows() == (1024 if expected == "avx512_bf16" else 2**63 - 1)
     assert cpu_kernels.prefill_kernel_applies_to(torch.bfloat16, 64) == bf16
 
 

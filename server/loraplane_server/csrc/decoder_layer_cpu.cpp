@@ -13,7 +13,6 @@
 //   logits rows, stays in Python)
 
 #include <ATen/ATen.h>
-#include <torch/library.h>
 
 #include "ops.h"
 
@@ -22,12 +21,9 @@ namespace {
 using at::Tensor;
 using OptTensor = c10::optional<at::Tensor>;
 
-// rows up to which linear_ beats torch's GEMM (layers/cpu_kernels.py LINEAR_MAX_ROWS)
-constexpr int64_t kLinearMaxRows = 1024;
-
-// base_linear (layers/linear.py): the kernel for up to kLinearMaxRows rows, torch's GEMM above
+// base_linear (layers/linear.py): the kernel for up to kLinearMaxRows rows (ops.h), torch's GEMM above
 Tensor project(const Tensor& x, const Tensor& w, const OptTensor& bias) {
-  if (x.size(0) <= kLinearMaxRows && x.stride(1) == 1 && w.is_contiguous()) {
+  if (x.size(0) <= loraplane_cpu::kLinearMaxRows && x.stride(1) == 1 && w.is_contiguous()) {
     Tensor out = at::empty({x.size(0), w.size(0)}, x.options());
     loraplane_cpu::linear_(out, x, w, bias);
     return out;
@@ -122,12 +118,3 @@ Tensor decoder_layer_(Tensor& x, const Tensor& h, const c10::List<OptTensor>& we
 }
 
 }  // namespace loraplane_cpu
-
-TORCH_LIBRARY_FRAGMENT(loraplane, m) {
-  m.def(
-      "decoder_layer_(Tensor(a!) x, Tensor h, Tensor?[] weights, Tensor(b!) k_cache, Tensor(c!) v_cache, "
-      "Tensor?[] step, Tensor[] chunk_tables, int[] chunks, Tensor?[] lora, int num_decode, int num_heads, "
-      "int num_kv_heads, float scale, float eps, float next_eps, int skip_slot) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(loraplane, CPU, m) { m.impl("decoder_layer_", loraplane_cpu::decoder_layer_); }

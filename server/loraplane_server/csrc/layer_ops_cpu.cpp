@@ -19,7 +19,6 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
-#include <torch/library.h>
 
 #include "cpu_common.h"
 #include "ops.h"
@@ -286,17 +285,3 @@ void argmax_rows_(at::Tensor& out, const at::Tensor& logits) {
 }
 
 }  // namespace loraplane_cpu
-
-TORCH_LIBRARY_FRAGMENT(loraplane, m) {
-  m.def("add_rms_norm_(Tensor(a!) out, Tensor(b!) residual, Tensor? delta, Tensor weight, float eps) -> ()");
-  m.def("rotary_(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
-  m.def("silu_mul_(Tensor(a!) out, Tensor gate_up) -> ()");
-  m.def("argmax_rows_(Tensor(a!) out, Tensor logits) -> ()");
-}
-
-TORCH_LIBRARY_IMPL(loraplane, CPU, m) {
-  m.impl("add_rms_norm_", loraplane_cpu::add_rms_norm_);
-  m.impl("rotary_", loraplane_cpu::rotary_);
-  m.impl("silu_mul_", loraplane_cpu::silu_mul_);
-  m.impl("argmax_rows_", loraplane_cpu::argmax_rows_);
-}

@@ -36,14 +36,13 @@
 // block of 12 rows of W against the 3 panels of a 72-row chunk in turn.
 //
 // What each choice measured: docs/kernels.md.
-// Registered as torch.ops.loraplane.linear_ and linear_silu_mul_ (in-place on `out`). Builds with
+// Exposed (bindings.cpp) as torch.ops.loraplane.linear_ and linear_silu_mul_ (in-place on `out`). Builds with
 // neither AVX512-BF16 nor AVX2, and other dtypes, run the same ops over at::linear, so callers never
 // need to ask.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
-#include <torch/library.h>
 
 #include "cpu_common.h"
 #include "ops.h"
@@ -604,23 +603,10 @@ void linear_silu_mul_(at::Tensor& out, const at::Tensor& x, const at::Tensor& w,
   at::Tensor gate_up = at::empty({M, 2 * I}, x.options());
   linear_(gate_up, x, w, bias);
   if (x.scalar_type() == at::kBFloat16) {
-    static const auto silu_mul = c10::Dispatcher::singleton()
-                                     .findSchemaOrThrow("loraplane::silu_mul_", "")
-                                     .typed<void(at::Tensor&, const at::Tensor&)>();  // layer_ops_cpu.cpp
-    silu_mul.call(out, gate_up);
+    silu_mul_(out, gate_up);  // layer_ops_cpu.cpp
     return;
   }
   out.copy_(at::silu(gate_up.narrow(1, 0, I)) * gate_up.narrow(1, I, I));
 }
 
 }  // namespace loraplane_cpu
-
-TORCH_LIBRARY_FRAGMENT(loraplane, m) {
-  m.def("linear_(Tensor(a!) out, Tensor x, Tensor w, Tensor? bias) -> ()");
-  m.def("linear_silu_mul_(Tensor(a!) out, Tensor x, Tensor w, Tensor? bias) -> ()");
-}
-
-TORCH_LIBRARY_IMPL(loraplane, CPU, m) {
-  m.impl("linear_", loraplane_cpu::linear_);
-  m.impl("linear_silu_mul_", loraplane_cpu::linear_silu_mul_);
-}

@@ -17,13 +17,12 @@
 // measured: docs/kernels.md). An AVX2 build (x86-64-v3) has the same shrink and expand with bf16
 // widened to fp32 for FMAs (cpu_common.h's avx2 layer) and shares the scheduling and prefetch.
 //
-// Registered as torch.ops.loraplane.bgmv_ (in place on `out`). Rows on `skip_slot` (the base
+// Exposed (bindings.cpp) as torch.ops.loraplane.bgmv_ (in place on `out`). Rows on `skip_slot` (the base
 // model's all-zero slot) are left alone.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
-#include <torch/library.h>
 
 #include "cpu_common.h"
 #include "ops.h"
@@ -400,17 +399,3 @@ void bgmv_packed_(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed
 }
 
 }  // namespace loraplane_cpu
-
-TORCH_LIBRARY_FRAGMENT(loraplane, m) {
-  m.def(
-      "bgmv_(Tensor(a!) out, Tensor x, Tensor a, Tensor bt, Tensor slots, Tensor proj_rows, Tensor out_bounds, "
-      "int skip_slot) -> ()");
-  m.def(
-      "bgmv_packed_(Tensor(a!) out, Tensor x, Tensor packed, Tensor slots, Tensor proj, Tensor out_bounds, "
-      "int skip_slot) -> ()");
-}
-
-TORCH_LIBRARY_IMPL(loraplane, CPU, m) {
-  m.impl("bgmv_", loraplane_cpu::bgmv_);
-  m.impl("bgmv_packed_", loraplane_cpu::bgmv_packed_);
-}

@@ -21,7 +21,7 @@
 // (DecodeIsa): q . k as two FMAs per 16 dims over a key row's even and odd halves, two heads
 // sharing each row's halves; P V a value row at a time, several heads by 16-64 dims a pass.
 //
-// Registered as torch.ops.loraplane.paged_decode_attention_ (in-place on `out`); write_kv_ (at the
+// Exposed as torch.ops.loraplane.paged_decode_attention_ (in-place on `out`; bindings.cpp); write_kv_ (at the
 // end) puts a step's keys and values into the cache.
 
 #include <ATen/Parallel.h>
@@ -29,7 +29,6 @@
 #include <ATen/Dispatch.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
-#include <torch/library.h>
 
 #include "cpu_common.h"
 #include "ops.h"
@@ -797,20 +796,3 @@ void write_kv_(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k, co
 }
 
 }  // namespace loraplane_cpu
-
-// The instruction set this build targets (cpu_common.h): the library's own word on which fast
-// paths it holds, read once by layers/cpu_kernels.py; every source is compiled with the same flags.
-std::string isa() { return LORAPLANE_ISA; }
-
-TORCH_LIBRARY(loraplane, m) {
-  m.def("isa", &isa);
-  m.def(
-      "paged_decode_attention_(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-      "Tensor context_lens, float scale) -> ()");
-  m.def("write_kv_(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor slot_mapping) -> ()");
-}
-
-TORCH_LIBRARY_IMPL(loraplane, CPU, m) {
-  m.impl("paged_decode_attention_", loraplane_cpu::paged_decode_attention_);
-  m.impl("write_kv_", loraplane_cpu::write_kv_);
-}

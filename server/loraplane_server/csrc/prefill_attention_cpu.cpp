@@ -23,14 +23,13 @@
 // 16 registers, and P V a value row at a time straight from the cache, several heads by 16-64
 // dims a pass; the same numerics (fp32 scores and softmax, weights rounded to bf16 for P V).
 //
-// Registered as torch.ops.loraplane.paged_prefill_attention_ (in place on `out`); shapes the
+// Exposed (bindings.cpp) as torch.ops.loraplane.paged_prefill_attention_ (in place on `out`); shapes the
 // kernel does not cover (other dtypes, head_dim not 64/128, a build with neither AVX512-BF16 nor
 // AVX2) are refused, and the caller (attention/cpu_kernel.py) keeps its SDPA path for them.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
-#include <torch/library.h>
 
 #include "cpu_common.h"
 #include "ops.h"
@@ -480,11 +479,3 @@ void paged_prefill_attention_(at::Tensor& out, const at::Tensor& q, const at::Te
 }
 
 }  // namespace loraplane_cpu
-
-TORCH_LIBRARY_FRAGMENT(loraplane, m) {
-  m.def(
-      "paged_prefill_attention_(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, "
-      "int ctx, float scale) -> ()");
-}
-
-TORCH_LIBRARY_IMPL(loraplane, CPU, m) { m.impl("paged_prefill_attention_", loraplane_cpu::paged_prefill_attention_); }

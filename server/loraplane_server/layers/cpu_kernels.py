@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 SOURCE_NAMES = (
+    "bindings.cpp",  # every op's schema
     "paged_attention_cpu.cpp",
     "prefill_attention_cpu.cpp",
     "linear_cpu.cpp",
@@ -50,8 +51,6 @@ SOURCE_NAMES = (
 )
 SOURCES = tuple(CSRC / name for name in SOURCE_NAMES)
 HEADERS = (CSRC / "cpu_common.h", CSRC / "ops.h")  # included by the sources: part of the build key
-# up to this many rows of x, the kernel's linear beats torch's bf16 GEMM on the CPU (bench/linear.py)
-LINEAR_MAX_ROWS = 1024
 # -fopenmp: at::parallel_for is an OpenMP pragma in torch's headers; without it the kernel runs on
 # one thread. The extension then links libgomp.so.1, which resolves to the copy torch already loaded.
 LDFLAGS = ["-fopenmp"]
@@ -141,11 +140,13 @@ def load() -> bool:
                 "bgmv_packed_",
                 "decoder_layer_",
                 "isa",
+                "linear_max_rows",
             )
             ok = all(hasattr(torch.ops.loraplane, op) for op in ops)
             _state.update(ok=ok, error=None if ok else "the library lacks some of its ops (a stale build?)")
             if ok:
                 _state["isa"] = str(torch.ops.loraplane.isa())
+                _state["linear_max_rows"] = int(torch.ops.loraplane.linear_max_rows())
         except Exception as error:  # no compiler, no ninja, a build error: keep the torch path
             log.warning("CPU kernels unavailable, using the torch paths: %s", error)
             _state.update(ok=False, error=f"{type(error).__name__}: {error}")
@@ -194,6 +195,14 @@ def isa() -> str | None:
 def loaded_isa() -> str | None:
     """isa() of a library already loaded, without building or loading one (None if none is)."""
     return _state.get("isa") if _state.get("ok") else None  # type: ignore[return-value]
+
+
+def linear_max_rows() -> int:
+    """Rows of x up to which the layers take linear() over torch's GEMM: the loaded build's own threshold
+    (csrc/ops.h kLinearMaxRows, measured per ISA by bench/linear.py); 0 when no library loaded."""
+    if "ok" not in _state:
+        load()
+    return int(_state.get("linear_max_rows", 0))  # type: ignore[call-overload]
 
 
 def has_bf16_kernels() -> bool:

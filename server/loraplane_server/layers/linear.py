@@ -15,8 +15,8 @@ from loraplane_server.layers import cpu_kernels
 
 
 def base_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernels: bool) -> torch.Tensor:
-    """F.linear, or the CPU kernel when asked and x is up to LINEAR_MAX_ROWS bf16 rows (bench/linear.py)."""
-    if kernels and x.shape[0] <= cpu_kernels.LINEAR_MAX_ROWS and x.dtype == torch.bfloat16 and x.dim() == 2:
+    """F.linear, or the CPU kernel when asked and x is up to linear_max_rows() bf16 rows (bench/linear.py)."""
+    if kernels and x.shape[0] <= cpu_kernels.linear_max_rows() and x.dtype == torch.bfloat16 and x.dim() == 2:
         if x.stride(-1) == 1 and weight.is_contiguous():
             return cpu_kernels.linear(x, weight, bias)
     return F.linear(x, weight, bias)
