@@ -83,19 +83,21 @@ def test_fused_layer_equals_the_python_layer(kind: str, tmp_path: Path) -> None:
         fused, calls = run_engine(model_dir, adapters, fused=True)
         python, none = run_engine(model_dir, adapters, fused=False)
     assert none == 0
-    # every layer but the last (which may run on the logits rows alone) of every step, fused
-    assert calls == 2 * len(fused) and len(fused) == len(python) > 10
+    # every layer of every step, fused: the last one too, on the logits rows alone where the step prunes
+    layers = 3
+    assert calls == layers * len(fused) and len(fused) == len(python) > 10
     for i, (a, b) in enumerate(zip(fused, python, strict=True)):
         assert torch.equal(a, b), f"step {i}: max |diff| {(a.float() - b.float()).abs().max().item()}"
 
 
 def test_fused_layer_refuses_malformed_arguments() -> None:
-    """Wrong list lengths, a missing weight, decode rows without their tables, LoRA without row slots: a
-    clear error, and neither the residual stream nor the KV cache written."""
+    """Weights that do not fit together are refused when gathered (at load); wrong list lengths, decode rows
+    without their tables, LoRA without row slots, pruning before the last layer: a clear error, and neither
+    the residual stream nor the KV cache written."""
     bf = torch.bfloat16
     t, hidden, heads, kv_heads, d, inter = 2, 128, 2, 1, 64, 96
     x = torch.randn(t, hidden).to(bf)
-    weights = [
+    weights: list[torch.Tensor | None] = [
         torch.randn((heads + 2 * kv_heads) * d, hidden).to(bf),
         None,
         torch.randn(hidden, heads * d).to(bf),
@@ -106,35 +108,30 @@ def test_fused_layer_refuses_malformed_arguments() -> None:
         None,
         torch.ones(hidden, dtype=bf),
     ]
+    with pytest.raises(RuntimeError, match="qkv is not"):
+        cpu_kernels.layer_weights([torch.randn(7, hidden).to(bf), *weights[1:]], (heads, kv_heads), 0.125, (1e-5, 1e-5))
+    with pytest.raises(RuntimeError, match="gate_up .* and down .* do not match"):
+        bad = [*weights[:6], torch.randn(hidden, inter + 1).to(bf), *weights[7:]]
+        cpu_kernels.layer_weights(bad, (heads, kv_heads), 0.125, (1e-5, 1e-5))
+    with pytest.raises(RuntimeError, match="positive multiple of num_kv_heads"):
+        cpu_kernels.layer_weights(weights, (3, 2), 0.125, (1e-5, 1e-5))
+    with pytest.raises(RuntimeError, match="contiguous bf16"):
+        cpu_kernels.layer_weights([weights[0].float(), *weights[1:]], (heads, kv_heads), 0.125, (1e-5, 1e-5))
+    layer = cpu_kernels.layer_weights(weights, (heads, kv_heads), 0.125, (1e-5, 1e-5))
     caches = torch.zeros(2, 4, 16, kv_heads, d, dtype=bf)
     cos, sin = torch.ones(t, d, dtype=bf), torch.zeros(t, d, dtype=bf)
-    step = [cos, sin, torch.tensor([0, 1]), None, None, None]
+    step = [cos, sin, torch.tensor([0, 1]), None, None, None, None, None]
 
-    def call(w: list, s: list, lora: list, num_decode: int) -> torch.Tensor:
-        return cpu_kernels.decoder_layer(
-            x,
-            x.clone(),
-            w,
-            caches[0],
-            caches[1],
-            s,
-            [],
-            [],
-            lora,
-            num_decode,
-            (heads, kv_heads),
-            0.125,
-            (1e-5, 1e-5),
-            -1,
-        )
+    def call(s: list, lora: list, num_decode: int) -> torch.Tensor:
+        return cpu_kernels.decoder_layer(x, x.clone(), layer, caches[0], caches[1], s, [], [], lora, num_decode, -1)
 
     before = x.clone()
-    with pytest.raises(RuntimeError, match="9 weights"):
-        call(weights[:8], step, [None] * 12, 0)
-    with pytest.raises(RuntimeError, match="required weight"):
-        call([None, *weights[1:]], step, [None] * 12, 0)
+    with pytest.raises(RuntimeError, match="8 step tensors"):
+        call(step[:6], [None] * 12, 0)
     with pytest.raises(RuntimeError, match="block tables"):
-        call(weights, step, [None] * 12, 2)
+        call(step, [None] * 12, 2)
     with pytest.raises(RuntimeError, match="row slots"):
-        call(weights, step, [weights[0], weights[0], weights[0]] + [None] * 9, 0)
+        call(step, [weights[0], weights[0], weights[0]] + [None] * 9, 0)
+    with pytest.raises(RuntimeError, match="only the last layer prunes"):
+        call([*step[:6], torch.tensor([1]), None], [None] * 12, 0)
     assert torch.equal(x, before) and not caches.any()  # refused before anything was written

@@ -5,6 +5,7 @@
 
 #include <torch/library.h>
 
+#include "layer_weights.h"
 #include "ops.h"
 
 TORCH_LIBRARY(loraplane, m) {
@@ -37,11 +38,15 @@ TORCH_LIBRARY(loraplane, m) {
   m.def(
       "bgmv_packed_(Tensor(a!) out, Tensor x, Tensor packed, Tensor slots, Tensor proj, Tensor out_bounds, "
       "int skip_slot) -> ()");
-  // decoder_layer_cpu.cpp: one decoder layer in one call, over the ops above
+  // decoder_layer_cpu.cpp: one decoder layer in one call, over the ops above, its weights gathered at load
+  m.class_<loraplane_cpu::LayerWeights>("LayerWeights")
+      .def(torch::init<at::Tensor, c10::optional<at::Tensor>, at::Tensor, at::Tensor, at::Tensor,
+                       c10::optional<at::Tensor>, at::Tensor, c10::optional<at::Tensor>, c10::optional<at::Tensor>,
+                       int64_t, int64_t, double, double, double>());
   m.def(
-      "decoder_layer_(Tensor(a!) x, Tensor h, Tensor?[] weights, Tensor(b!) k_cache, Tensor(c!) v_cache, "
-      "Tensor?[] step, Tensor[] chunk_tables, int[] chunks, Tensor?[] lora, int num_decode, int num_heads, "
-      "int num_kv_heads, float scale, float eps, float next_eps, int skip_slot) -> Tensor");
+      "decoder_layer_(Tensor(a!) x, Tensor h, __torch__.torch.classes.loraplane.LayerWeights w, Tensor(b!) k_cache, "
+      "Tensor(c!) v_cache, Tensor?[] step, Tensor[] chunk_tables, int[] chunks, Tensor?[] lora, int num_decode, "
+      "int skip_slot) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(loraplane, CPU, m) {

@@ -9,11 +9,12 @@
 //   h2 = rmsnorm(x += o(a) + lora_o)
 //   m  = down(silu(gate) * up) + lora_down, (gate | up) = gate_up(h2) + lora_gate_up; with no
 //        LoRA on gate_up the activation runs in the GEMM's epilogue (linear_silu_mul_)
-//   returns next_norm(x += m): the next layer's h (the last layer, whose rows may be pruned to the
-//   logits rows, stays in Python)
+//   returns next_norm(x += m): the next layer's h; the last layer returns x += m, on the logits rows
+//   alone where the step prunes to them (o, the norm and the MLP run on those rows only)
 
 #include <ATen/ATen.h>
 
+#include "layer_weights.h"
 #include "ops.h"
 
 namespace {
@@ -35,47 +36,49 @@ Tensor project(const Tensor& x, const Tensor& w, const OptTensor& bias) {
 
 namespace loraplane_cpu {
 
-// x: the residual stream [T, hidden] (updated in place); h: input_layernorm(x).
-// weights: qkv_w, qkv_b?, o_w, post_norm_w, gate_up_w, gate_up_b?, down_w, down_b?, next_norm_w
-// step: cos [T, D], sin [T, D], slot_mapping [T], decode_block_tables?, decode_context_lens?, row_slots?
+// x: the residual stream [T, hidden] (updated in place); h: input_layernorm(x); w: this layer's weights
+// (LayerWeights, built at load).
+// step: cos [T, D], sin [T, D], slot_mapping [T], decode_block_tables?, decode_context_lens?, row_slots?,
+// logits_rows?, logits_row_slots?
 // chunk_tables / chunks: each prefill chunk's block table and (query_start, query_tokens, context_tokens)
 // lora: (packed, proj, out_bounds) for qkv, o, gate_up, down, each None where no adapter of the step
 // targets that layer (bgmv_packed_'s arguments; row_slots then required).
-Tensor decoder_layer_(Tensor& x, const Tensor& h, const c10::List<OptTensor>& weights, Tensor& k_cache,
+// Returns next_norm(x) with the next layer's norm; for the last layer (no next norm) x itself, and with
+// logits_rows, everything after attention runs on those rows alone (their LoRA slots logits_row_slots)
+// and x's rows there come back: the Python layer's `rows`.
+Tensor decoder_layer_(Tensor& x, const Tensor& h, const c10::intrusive_ptr<LayerWeights>& w, Tensor& k_cache,
                       Tensor& v_cache, const c10::List<OptTensor>& step, at::TensorList chunk_tables,
-                      at::IntArrayRef chunks, const c10::List<OptTensor>& lora, int64_t num_decode,
-                      int64_t num_heads, int64_t num_kv_heads, double scale, double eps, double next_eps,
-                      int64_t skip_slot) {
-  TORCH_CHECK(weights.size() == 9 && step.size() == 6 && lora.size() == 12,
-              "decoder_layer_: 9 weights, 6 step tensors and 12 LoRA entries expected");
+                      at::IntArrayRef chunks, const c10::List<OptTensor>& lora, int64_t num_decode, int64_t skip_slot) {
+  TORCH_CHECK(step.size() == 8 && lora.size() == 12, "decoder_layer_: 8 step tensors and 12 LoRA entries expected");
   TORCH_CHECK(chunks.size() == 3 * chunk_tables.size(), "decoder_layer_: one (start, tokens, context) per chunk");
   TORCH_CHECK(x.dim() == 2 && h.sizes() == x.sizes() && x.is_contiguous(), "decoder_layer_: x and h must be [T, hidden]");
-  const int64_t T = x.size(0), D = k_cache.size(3);
+  const int64_t T = x.size(0), D = k_cache.size(3), num_heads = w->num_heads, num_kv_heads = w->num_kv_heads;
+  TORCH_CHECK(D == w->head_dim && x.size(1) == w->o_w.size(0), "decoder_layer_: the weights do not fit x or the cache");
   const int64_t q_size = num_heads * D, kv_size = num_kv_heads * D;
-  const OptTensor row_slots = step.get(5);
-  auto add_lora = [&](Tensor& out, const Tensor& in, int64_t kind) {
+  const OptTensor row_slots = step.get(5), logits_rows = step.get(6);
+  const bool prune = logits_rows.has_value();
+  TORCH_CHECK(!prune || !w->next_norm_w.has_value(), "decoder_layer_: only the last layer prunes to the logits rows");
+  // the rows after attention, and their LoRA slots
+  const OptTensor tail_slots = prune ? step.get(7) : row_slots;
+  auto add_lora = [&](Tensor& out, const Tensor& in, int64_t kind, const OptTensor& slots) {
     const OptTensor packed = lora.get(3 * kind);
-    if (!packed.has_value()) return;  // row_slots checked below, before anything is written
+    if (!packed.has_value()) return;  // slots checked below, before anything is written
     const OptTensor proj = lora.get(3 * kind + 1), bounds = lora.get(3 * kind + 2);
     TORCH_CHECK(proj.has_value() && bounds.has_value(), "decoder_layer_: LoRA entry without its rows or bounds");
-    bgmv_packed_(out, in, *packed, *row_slots, *proj, *bounds, skip_slot);
+    bgmv_packed_(out, in, *packed, *slots, *proj, *bounds, skip_slot);
   };
-  const OptTensor qkv_w = weights.get(0), o_w = weights.get(2), post_w = weights.get(3);
-  const OptTensor gate_up_w = weights.get(4), down_w = weights.get(6), next_w = weights.get(8);
-  TORCH_CHECK(qkv_w && o_w && post_w && gate_up_w && down_w && next_w, "decoder_layer_: a required weight is missing");
   const OptTensor cos = step.get(0), sin = step.get(1), slot_mapping = step.get(2);
   TORCH_CHECK(cos && sin && slot_mapping, "decoder_layer_: cos, sin and slot_mapping are required");
   TORCH_CHECK(num_decode >= 0 && num_decode <= T, "decoder_layer_: num_decode outside [0, T]");
   TORCH_CHECK(num_decode == 0 || (step.get(3).has_value() && step.get(4).has_value()),
               "decoder_layer_: decode rows need their block tables and context lengths");
   for (int64_t kind = 0; kind < 4; ++kind)  // checked before anything is written
-    TORCH_CHECK(!lora.get(3 * kind).has_value() || row_slots.has_value(),
+    TORCH_CHECK(!lora.get(3 * kind).has_value() || (row_slots.has_value() && tail_slots.has_value()),
                 "decoder_layer_: LoRA needs the step's row slots");
 
-  // attention
-  Tensor qkv = project(h, *qkv_w, weights.get(1));
-  add_lora(qkv, h, 0);
-  TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "decoder_layer_: qkv width differs from the heads");
+  // attention, over every row
+  Tensor qkv = project(h, w->qkv_w, w->qkv_b);
+  add_lora(qkv, h, 0, row_slots);
   Tensor q = qkv.narrow(1, 0, q_size).view({T, num_heads, D});
   Tensor k = qkv.narrow(1, q_size, kv_size).view({T, num_kv_heads, D});
   Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, num_kv_heads, D});
@@ -85,35 +88,41 @@ Tensor decoder_layer_(Tensor& x, const Tensor& h, const c10::List<OptTensor>& we
   if (num_decode > 0) {
     const OptTensor tables = step.get(3), lens = step.get(4);  // present: checked above
     Tensor out = attn.narrow(0, 0, num_decode);
-    paged_decode_attention_(out, q.narrow(0, 0, num_decode), k_cache, v_cache, *tables, *lens, scale);
+    paged_decode_attention_(out, q.narrow(0, 0, num_decode), k_cache, v_cache, *tables, *lens, w->scale);
   }
   for (size_t c = 0; c < chunk_tables.size(); ++c) {
     const int64_t start = chunks[3 * c], n = chunks[3 * c + 1], ctx = chunks[3 * c + 2];
     Tensor out = attn.narrow(0, start, n);
-    paged_prefill_attention_(out, q.narrow(0, start, n), k_cache, v_cache, chunk_tables[c], ctx, scale);
+    paged_prefill_attention_(out, q.narrow(0, start, n), k_cache, v_cache, chunk_tables[c], ctx, w->scale);
   }
   Tensor a = attn.view({T, q_size});
-  Tensor o = project(a, *o_w, c10::nullopt);
-  add_lora(o, a, 1);
-  Tensor h2 = at::empty_like(x);
-  add_rms_norm_(h2, x, o, *post_w, eps);
+  Tensor r = x;  // the residual rows from here on: all of x, or (last layer) a copy of the logits rows
+  if (prune) {
+    a = a.index_select(0, *logits_rows);
+    r = x.index_select(0, *logits_rows);
+  }
+  Tensor o = project(a, w->o_w, c10::nullopt);
+  add_lora(o, a, 1, tail_slots);
+  Tensor h2 = at::empty_like(r);
+  add_rms_norm_(h2, r, o, w->post_norm_w, w->eps);
 
   // MLP
-  const int64_t inter = gate_up_w->size(0) / 2;
+  const int64_t inter = w->gate_up_w.size(0) / 2, rows = r.size(0);
   Tensor act;
   if (!lora.get(6).has_value()) {
-    act = at::empty({T, inter}, x.options());
-    linear_silu_mul_(act, h2, *gate_up_w, weights.get(5));
+    act = at::empty({rows, inter}, x.options());
+    linear_silu_mul_(act, h2, w->gate_up_w, w->gate_up_b);
   } else {
-    Tensor gate_up = project(h2, *gate_up_w, weights.get(5));
-    add_lora(gate_up, h2, 2);
-    act = at::empty({T, inter}, x.options());
+    Tensor gate_up = project(h2, w->gate_up_w, w->gate_up_b);
+    add_lora(gate_up, h2, 2, tail_slots);
+    act = at::empty({rows, inter}, x.options());
     silu_mul_(act, gate_up);
   }
-  Tensor m = project(act, *down_w, weights.get(7));
-  add_lora(m, act, 3);
-  Tensor next = at::empty_like(x);
-  add_rms_norm_(next, x, m, *next_w, next_eps);
+  Tensor m = project(act, w->down_w, w->down_b);
+  add_lora(m, act, 3, tail_slots);
+  if (!w->next_norm_w.has_value()) return r.add_(m);
+  Tensor next = at::empty_like(r);
+  add_rms_norm_(next, r, m, *w->next_norm_w, w->next_eps);
   return next;
 }
 

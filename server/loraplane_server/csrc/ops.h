@@ -54,11 +54,11 @@ void write_kv_(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k, co
 void paged_prefill_attention_(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                               const at::Tensor& v_cache, const at::Tensor& block_table, int64_t ctx, double scale);
 
-// decoder_layer_cpu.cpp
-at::Tensor decoder_layer_(at::Tensor& x, const at::Tensor& h, const c10::List<c10::optional<at::Tensor>>& weights,
+// decoder_layer_cpu.cpp (w: layer_weights.h)
+struct LayerWeights;
+at::Tensor decoder_layer_(at::Tensor& x, const at::Tensor& h, const c10::intrusive_ptr<LayerWeights>& w,
                           at::Tensor& k_cache, at::Tensor& v_cache, const c10::List<c10::optional<at::Tensor>>& step,
                           at::TensorList chunk_tables, at::IntArrayRef chunks,
-                          const c10::List<c10::optional<at::Tensor>>& lora, int64_t num_decode, int64_t num_heads,
-                          int64_t num_kv_heads, double scale, double eps, double next_eps, int64_t skip_slot);
+                          const c10::List<c10::optional<at::Tensor>>& lora, int64_t num_decode, int64_t skip_slot);
 
 }  // namespace loraplane_cpu

@@ -50,7 +50,8 @@ SOURCE_NAMES = (
     "decoder_layer_cpu.cpp",
 )
 SOURCES = tuple(CSRC / name for name in SOURCE_NAMES)
-HEADERS = (CSRC / "cpu_common.h", CSRC / "ops.h")  # included by the sources: part of the build key
+# included by the sources: part of the build key
+HEADERS = (CSRC / "cpu_common.h", CSRC / "ops.h", CSRC / "layer_weights.h")
 # -fopenmp: at::parallel_for is an OpenMP pragma in torch's headers; without it the kernel runs on
 # one thread. The extension then links libgomp.so.1, which resolves to the copy torch already loaded.
 LDFLAGS = ["-fopenmp"]
@@ -339,10 +340,20 @@ def bgmv_packed_(
     torch.ops.loraplane.bgmv_packed_(out, x, packed, slots, proj, out_bounds, skip_slot)
 
 
+def layer_weights(
+    weights: list[torch.Tensor | None], heads: tuple[int, int], scale: float, eps: tuple[float, float]
+) -> torch.ScriptObject:
+    """One decoder layer's weights for decoder_layer, gathered (and checked) once at load
+    (csrc/layer_weights.h): weights = qkv_w, qkv_b, o_w, post_norm_w, gate_up_w, gate_up_b, down_w, down_b,
+    next_norm_w (None for the last layer); heads = (num_heads, num_kv_heads); eps = (the post-attention
+    norm's, the next norm's)."""
+    return torch.classes.loraplane.LayerWeights(*weights, *heads, scale, *eps)
+
+
 def decoder_layer(
     x: torch.Tensor,
     h: torch.Tensor,
-    weights: list[torch.Tensor | None],
+    weights: torch.ScriptObject,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     step: list[torch.Tensor | None],
@@ -350,20 +361,16 @@ def decoder_layer(
     chunks: list[int],
     lora: list[torch.Tensor | None],
     num_decode: int,
-    heads: tuple[int, int],
-    scale: float,
-    eps: tuple[float, float],
     skip_slot: int,
 ) -> torch.Tensor:
     """One decoder layer (csrc/decoder_layer_cpu.cpp): x [T, hidden] += attention and MLP (in place);
-    returns the next layer's normed input. weights: qkv_w, qkv_b, o_w, post_norm_w, gate_up_w,
-    gate_up_b, down_w, down_b, next_norm_w; step: cos, sin, slot_mapping, decode block tables,
-    decode context lengths, LoRA row slots; chunks: (query_start, tokens, context) per prefill chunk;
-    lora: (packed, proj, out_bounds) for qkv, o, gate_up, down (None where not targeted);
-    num_decode: the decode rows (first in x); heads: (num_heads, num_kv_heads); eps: (the post-attention
-    norm's, the next norm's)."""
+    returns the next layer's normed input, or for the last layer (weights without a next norm) x itself,
+    on the logits rows alone where step names them. weights: layer_weights(); step: cos, sin,
+    slot_mapping, decode block tables, decode context lengths, LoRA row slots, logits rows, their LoRA
+    slots; chunks: (query_start, tokens, context) per prefill chunk; lora: (packed, proj, out_bounds) for
+    qkv, o, gate_up, down (None where not targeted); num_decode: the decode rows (first in x)."""
     return torch.ops.loraplane.decoder_layer_(
-        x, h, weights, k_cache, v_cache, step, chunk_tables, chunks, lora, num_decode, *heads, scale, *eps, skip_slot
+        x, h, weights, k_cache, v_cache, step, chunk_tables, chunks, lora, num_decode, skip_slot
     )
 
 

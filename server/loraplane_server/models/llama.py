@@ -105,10 +105,12 @@ class FusedStep:
     """One step's arguments to cpu_kernels.decoder_layer that every layer shares."""
 
     step: list[torch.Tensor | None]  # cos, sin, slot_mapping, decode tables, decode lengths, LoRA row slots
+    last_step: list[torch.Tensor | None]  # step + the logits rows and their LoRA slots where the step prunes
     chunk_tables: list[torch.Tensor]
     chunks: list[int]  # (query_start, tokens, context) per prefill chunk
     lora: CPUKernelLoRABatch | None
     skip_slot: int
+    last_layer: int
 
 
 class DecoderLayer(nn.Module):
@@ -122,6 +124,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = self.norm_class(args.hidden_size, args.rms_norm_eps)
         self.mlp = MLP(args, layer_idx)
         self.kernels = False  # the bf16 CPU layer kernels (LlamaForCausalLM.use_backends)
+        # this layer's weights for cpu_kernels.decoder_layer, gathered at load where the layers fuse
+        self.fused_weights: torch.ScriptObject | None = None
 
     def forward(
         self,
@@ -146,44 +150,38 @@ class DecoderLayer(nn.Module):
             return x.add_(m)
         return next_norm.add_forward(x, m, self.kernels)
 
+    def gather_fused_weights(self, next_norm: RMSNorm | None) -> None:
+        """cpu_kernels.layer_weights for this layer (next_norm: the next layer's input norm; None for the
+        last layer): built once at load, so a step passes one object per layer."""
+        attn, mlp, post = self.self_attn, self.mlp, self.post_attention_layernorm
+        weights: list[torch.Tensor | None] = [attn.qkv.weight, attn.qkv.bias, attn.o.weight, post.weight]
+        weights += [mlp.gate_up.weight]
+        weights += [mlp.gate_up.bias, mlp.down.weight, mlp.down.bias, next_norm.weight if next_norm else None]
+        eps = (post.eps, next_norm.eps if next_norm else 0.0)
+        self.fused_weights = cpu_kernels.layer_weights(weights, (attn.num_heads, attn.num_kv_heads), attn.scale, eps)
+
     def fused(
-        self,
-        x: torch.Tensor,
-        h: torch.Tensor,
-        kv_cache: torch.Tensor,
-        batch: ForwardBatch,
-        next_norm: RMSNorm,
-        f: FusedStep,
+        self, x: torch.Tensor, h: torch.Tensor, kv_cache: torch.Tensor, batch: ForwardBatch, f: FusedStep
     ) -> torch.Tensor:
-        """forward() for a layer before the last, as one call to the CPU kernels (bf16): the same kernels
-        in the same order, the same bits (tests/kernels/test_cpu_decoder_layer.py)."""
-        attn, mlp = self.self_attn, self.mlp
-        weights: list[torch.Tensor | None] = [
-            attn.qkv.weight,
-            attn.qkv.bias,
-            attn.o.weight,
-            self.post_attention_layernorm.weight,
-            mlp.gate_up.weight,
-            mlp.gate_up.bias,
-            mlp.down.weight,
-            mlp.down.bias,
-            next_norm.weight,
-        ]
-        lora: list[torch.Tensor | None] = f.lora.layer_args(attn.layer_idx) if f.lora is not None else [None] * 12
+        """forward() as one call to the CPU kernels (bf16): the same kernels in the same order, the same bits
+        (tests/kernels/test_cpu_decoder_layer.py); the last layer (no next norm) on the logits rows alone
+        where the step prunes to them, as forward() with `rows`."""
+        assert self.fused_weights is not None, "gather_fused_weights first"
+        lora: list[torch.Tensor | None] = (
+            f.lora.layer_args(self.self_attn.layer_idx) if f.lora is not None else [None] * 12
+        )
+        last = self.self_attn.layer_idx == f.last_layer
         return cpu_kernels.decoder_layer(
             x,
             h,
-            weights,
+            self.fused_weights,
             kv_cache[0],
             kv_cache[1],
-            f.step,
+            f.last_step if last else f.step,
             f.chunk_tables,
             f.chunks,
             lora,
             batch.num_decode_tokens,
-            (attn.num_heads, attn.num_kv_heads),
-            attn.scale,
-            (self.post_attention_layernorm.eps, next_norm.eps),
             f.skip_slot,
         )
 
@@ -225,6 +223,12 @@ class LlamaForCausalLM(nn.Module):
                 module.backend = backends.attention
             if isinstance(module, Attention | MLP | DecoderLayer | ProjectionLinear):
                 module.kernels = backends.layer_kernels
+        layers = self.decoder_layers
+        for i, layer in enumerate(layers):
+            if self.fused_layers:
+                layer.gather_fused_weights(layers[i + 1].input_layernorm if i + 1 < len(layers) else None)
+            else:
+                layer.fused_weights = None
 
     def forward(self, input_ids: torch.Tensor, kv_caches: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """input_ids [T] -> logits [S, V] for the rows in batch.logits_indices."""
@@ -237,8 +241,8 @@ class LlamaForCausalLM(nn.Module):
         rows = batch.logits_rows_batch() if batch.prunes_last_layer else None
         fused = self._fused_step(batch, cos_sins[0]) if kernels and self.fused_layers else None
         for i, (layer, kv_cache) in enumerate(zip(layers, kv_caches, strict=True)):
-            if i < last and fused is not None:
-                h = layer.fused(x, h, kv_cache, batch, layers[i + 1].input_layernorm, fused)
+            if fused is not None:
+                h = layer.fused(x, h, kv_cache, batch, fused)
             elif i < last:
                 h = layer(x, h, cos_sins[i], kv_cache, batch, layers[i + 1].input_layernorm)
             else:
@@ -276,10 +280,16 @@ class LlamaForCausalLM(nn.Module):
             return None
         row_slots = lora.row_slots if lora is not None else None
         step = [*cos_sin, batch.slot_mapping, batch.decode_block_tables, batch.decode_context_lens, row_slots]
+        last_step = [*step, None, None]
+        if batch.prunes_last_layer:
+            rows_lora = batch.logits_lora
+            if rows_lora is not None and not isinstance(rows_lora, CPUKernelLoRABatch):
+                return None
+            last_step[6:] = [batch.logits_indices, rows_lora.row_slots if rows_lora is not None else None]
         tables = [c.block_table for c in batch.prefills]
         chunks = [n for c in batch.prefills for n in (c.query_start, c.num_query_tokens, c.num_context_tokens)]
         skip = lora.slots.none_slot if lora is not None else -1
-        return FusedStep(step, tables, chunks, lora, skip)
+        return FusedStep([*step, None, None], last_step, tables, chunks, lora, skip, len(self.layers) - 1)
 
     def projection(self, layer: int, name: str) -> ProjectionLinear:
         """The ProjectionLinear holding target module `name` of layer `layer`."""
