@@ -40,9 +40,9 @@ test: model lint
 	@if grep -qw avx512_bf16 /proc/cpuinfo; then $(MAKE) --no-print-directory test-avx2; fi
 
 # What an AVX2-only CPU runs, on any x86 machine (server/loraplane_server/cpu_features.py): the
-# kernels built for x86-64-v3, the AVX-512 flags hidden from the engine, torch's own kernels capped.
-# The engine's, kernels' and adapters' tests; the HTTP, source, operator and chart tests run the same code
-# on every CPU (their servers in fp32), so the first pass covers them.
+# kernels' avx2 target (x86-64-v3) loaded, the AVX-512 flags hidden from the engine, torch's own kernels
+# capped. The engine's, kernels' and adapters' tests; the HTTP, source, operator and chart tests exercise
+# no ISA-specific code beyond what these do, so the first pass covers them.
 AVX2_SKIP := --ignore-glob='tests/test_http_*.py' --ignore-glob='tests/test_operator_*.py' \
 	--ignore-glob='tests/test_sources*.py' --ignore-glob='tests/test_model_s*.py' --ignore=tests/test_helm_chart.py --ignore=tests/test_crds.py \
 	--ignore=tests/test_dockerfiles.py --ignore=tests/test_router_http.py
