@@ -690,7 +690,19 @@ def run(
     adapters = write_variants(template, work / "adapters", w.num_adapters, w.seed)
     dtype = str(resolve_dtype("auto", torch.device("cpu"))).removeprefix("torch.")
     threads = llama_threads or os.cpu_count() or 1
-    s = Setup(model_dir, adapters, dtype, w, work, cache, threads, vllm_omp_bind, timeout, vllm_dtype, llama_outtype)
+    s = Setup(
+        model_dir,
+        adapters,
+        dtype,
+        w,
+        work,
+        cache,
+        threads,
+        vllm_omp_bind=vllm_omp_bind,
+        timeout=timeout,
+        vllm_dtype=vllm_dtype,
+        llama_outtype=llama_outtype,
+    )
     pool = prompt_pool(model_dir)
     results: dict[str, dict] = {n: {"start_seconds": [], "warm_seconds": []} for n in systems}
     per_round: dict[str, list[dict]] = {n: [] for n in systems}
