@@ -474,8 +474,8 @@ def start_llama_cpp(s: Setup) -> Server:
     cmd = [info["server"], "-m", str(base), "--host", "127.0.0.1", "--port", str(port),
            "-c", str(ctx), "-np", str(s.w.batch), "-t", str(s.threads), "--cache-ram", "0",
            "--lora-init-without-apply"]  # fmt: skip
-    for path in loras:
-        cmd += ["--lora", str(path)]
+    # one comma-separated --lora: this llama-server keeps only the last of several --lora flags
+    cmd += ["--lora", ",".join(str(path) for path in loras)]
     log = s.work / "llama-cpp.log"
     proc = start_proc(cmd, log, {**os.environ, **cap_env()})
     url = f"http://127.0.0.1:{port}"
@@ -493,13 +493,15 @@ def start_llama_cpp(s: Setup) -> Server:
     server = Server("llama.cpp", proc, url, send, log)
     try:
         wait_http(url, "/health", proc, log, timeout=900)
+        loaded = httpx.get(f"{url}/lora-adapters", timeout=60).json()
+        if len(loaded) != len(loras):  # every adapter must be there, or requests would run another
+            raise PeerError(f"llama-server loaded {len(loaded)} of {len(loras)} adapters")
     except Exception:
         stop(proc)
         raise
     server.settings = {
         **{k: v for k, v in info.items() if k not in ("server", "src")},
-        "command": [Path(c).name if c.endswith(".gguf") else c for c in cmd[1 : len(cmd) - 2 * len(loras)]]
-        + [f"<{len(loras)} --lora>"],
+        "command": [Path(c).name if c.endswith(".gguf") else c for c in cmd[1:-1]] + [f"<{len(loras)} adapters>"],
         "gguf_outtype": s.llama_outtype or s.dtype,
         "convert_seconds": round(convert_seconds, 1),
     }
