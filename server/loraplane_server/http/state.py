@@ -10,7 +10,6 @@ import time
 import traceback
 from typing import Any
 
-import torch
 from fastapi import Request
 
 from loraplane_server.async_engine import AsyncEngine
@@ -21,6 +20,7 @@ from loraplane_server.http.metrics import EngineSnapshot, Metrics, take_snapshot
 from loraplane_server.http.server_config import ServerConfig
 from loraplane_server.model_store import Progress, StartupListener
 from loraplane_server.sources import ModelSourceError, scrub_secrets
+from loraplane_server.torch_threads import engine_thread
 
 log = logging.getLogger("loraplane.http")
 
@@ -136,11 +136,14 @@ class ServerState:
 
     async def load(self) -> None:
         """Load the model off the event loop (so /health answers meanwhile), then mark the server ready."""
-        if self.config.torch_threads:
-            torch.set_num_threads(self.config.torch_threads)  # process-wide, the engine thread included
         listener = StartupListener(self._on_phase, self.model_progress)
+
+        def build() -> LLMEngine:  # on the thread that will step it: one OpenMP team (async_engine)
+            engine_thread(self.config.torch_threads)
+            return LLMEngine(self.config.engine, listener)
+
         try:
-            engine = await asyncio.to_thread(LLMEngine, self.config.engine, listener)
+            front = await asyncio.wrap_future(AsyncEngine.build(build))
         except ModelSourceError as exc:  # a reason that says what to fix: no traceback
             self._fail(str(exc))
             return
@@ -148,13 +151,15 @@ class ServerState:
             log.error("the engine failed to start\n%s", scrub_secrets(traceback.format_exc().rstrip()))
             self._fail(f"{type(exc).__name__}: {exc}")
             return
+        engine = front.engine
         if engine.tokenizer is None:
+            front.shutdown()
             self._fail(f"{engine.model_dir} has no tokenizer; the HTTP API needs one")
             return
         self.engine = engine
         engine.adapters.source_allow = self.config.allowlist  # binds every redirect of a remote source too
         self.special_ids = frozenset(engine.tokenizer.all_special_ids)
-        self.front = AsyncEngine(engine)
+        self.front = front
         self.model_progress.set_phase("ready")
         self.lifecycle.mark_ready()
         log.info(

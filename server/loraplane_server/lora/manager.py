@@ -25,6 +25,7 @@ from loraplane_server.lora.disk_cache import DiskCache
 from loraplane_server.lora.weights import LoRAWeights, load_lora, read_adapter_config
 from loraplane_server.models.args import ModelArgs
 from loraplane_server.sources import AdapterSource, AdapterSourceError, fetch, parse_source
+from loraplane_server.torch_threads import serial_torch_thread
 
 TIERS = ("device", "host", "disk", "source")
 
@@ -92,7 +93,11 @@ class AdapterManager:
         self.completions: queue.Queue[tuple[str, str | None]] = queue.Queue()
         self._completed = threading.Event()
         self._lock = threading.RLock()
-        self._pool = ThreadPoolExecutor(max_workers=num_workers, thread_name_prefix="adapter-load")
+        # serial: a loader that ran a parallel op would keep a second OpenMP team alive and slow every
+        # parallel region of the engine's thread (async_engine's docstring)
+        self._pool = ThreadPoolExecutor(
+            max_workers=num_workers, thread_name_prefix="adapter-load", initializer=serial_torch_thread
+        )
         if adapter_dir is not None:
             self.scan_adapter_dir()
 

@@ -1,0 +1,60 @@
+"""One OpenMP thread team per serving process: the engine loads and steps on one thread, the adapter loaders
+run their torch ops serially (why: async_engine's docstring)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from engine_helpers import make_engine
+
+from loraplane_server.async_engine import AsyncEngine
+from loraplane_server.engine import LLMEngine
+from loraplane_server.sampling_params import SamplingParams
+from loraplane_server.torch_threads import DEFAULT_THREADS, engine_thread
+
+
+def test_build_loads_and_steps_the_engine_on_one_thread(smollm2_dir: Path) -> None:
+    built_on: list[int] = []
+
+    def factory() -> LLMEngine:
+        engine_thread()
+        built_on.append(threading.get_ident())
+        return make_engine(smollm2_dir, num_kv_blocks=64, max_model_len=256)
+
+    front = AsyncEngine.build(factory).result(timeout=300)
+    try:
+        stepped_on = asyncio.run(front.call(threading.get_ident))
+        assert built_on == [stepped_on] and stepped_on != threading.get_ident()
+        assert asyncio.run(front.call(torch.get_num_threads)) == DEFAULT_THREADS
+
+        async def generate() -> list[int]:
+            ids: list[int] = []
+            async for out in front.generate("Hello", SamplingParams(max_new_tokens=4, ignore_eos=True)):
+                ids += out.delta_token_ids
+            return ids
+
+        assert len(asyncio.run(generate())) == 4
+        # the adapter loaders' pool: every thread of it runs torch ops alone
+        pool = front.engine.adapters._pool
+        assert {pool.submit(torch.get_num_threads).result() for _ in range(4)} == {1}
+        assert torch.get_num_threads() == DEFAULT_THREADS  # this thread's own count is untouched
+    finally:
+        front.shutdown()
+    assert not any(t.ident == stepped_on for t in threading.enumerate())  # the stepping thread ended
+
+
+def test_build_failure_reaches_the_caller_and_ends_the_thread() -> None:
+    def factory() -> LLMEngine:
+        raise RuntimeError("no such model")
+
+    before = set(threading.enumerate())
+    future = AsyncEngine.build(factory)
+    with pytest.raises(RuntimeError, match="no such model"):
+        future.result(timeout=30)
+    for t in set(threading.enumerate()) - before:
+        t.join(timeout=10)
+        assert t.name != "engine-step" or not t.is_alive()
