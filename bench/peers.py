@@ -28,7 +28,10 @@ Systems:
 A system that cannot be installed or started is reported with its error; the others still run.
 
 Targets (issue 23): ours/vLLM throughput >= 3, ours/llama.cpp >= 5; latency ours/vLLM <= 0.5 and
-ours/llama.cpp <= 1; ours adapters/base >= 0.9.
+ours/llama.cpp <= 1; ours adapters/base >= 0.9. The same run measures this machine's peak matmul rate and
+memory bandwidth (under the same ISA cap) and reports the ceilings they put on any engine (`ceiling`:
+the linear layers' FLOPs, and the weights read once per forward pass); a missed target says the best ratio
+that ceiling allows against the peer's measured number, and whether the target lies within it.
 
 On an AVX2-only CPU every system runs its AVX2 code by itself. LORAPLANE_CPU_ISA=avx2 makes an AVX-512
 machine run all three as such a CPU would (cap_env()): ours loads its x86-64-v3 kernels; vLLM is told the
@@ -47,6 +50,7 @@ import argparse
 import asyncio
 import email.parser
 import importlib.metadata
+import itertools
 import json
 import os
 import random
@@ -584,6 +588,120 @@ def summarize(rounds: list[dict]) -> dict:
     }
 
 
+# ceilings
+def machine_rates(dtype_name: str) -> dict:
+    """This process's best matmul rate in `dtype_name` at the bench's thread count (the better of torch and our
+    kernel, SmolLM2's gate|up and q|k|v shapes, 256 to 2048 rows), and its memory bandwidth (the better of a
+    1 GiB copy and a 1 GiB sum). Run under cap_env() in a child (ceilings()), so an AVX2 cap holds."""
+    import torch
+
+    from loraplane_server.layers import cpu_kernels
+
+    dtype = getattr(torch, dtype_name)
+    kernel = dtype == torch.bfloat16 and cpu_kernels.load() and cpu_kernels.has_bf16_kernels()
+    best_gflops = 0.0
+    for (n, k), rows in itertools.product(((3072, 576), (1536, 576)), (256, 1024, 2048)):
+        weight = torch.randn(n, k).to(dtype)
+        x = torch.randn(rows, k).to(dtype)
+        out = torch.empty(rows, n, dtype=dtype)
+        runs: list[Callable[[], object]] = [lambda x=x, weight=weight: torch.nn.functional.linear(x, weight)]
+        if kernel:
+            runs.append(lambda x=x, out=out, weight=weight: torch.ops.loraplane.linear_(out, x, weight, None))
+        for fn in runs:
+            best = float("inf")
+            for _ in range(12):  # the first few calls run cold (allocation, page faults)
+                start = time.perf_counter()
+                fn()
+                best = min(best, time.perf_counter() - start)
+            best_gflops = max(best_gflops, 2 * rows * k * n / best / 1e9)
+    big = torch.empty(1 << 28, dtype=torch.float32).fill_(1.0)  # 1 GiB
+    dst = torch.empty_like(big)
+    best_bw = 0.0
+    for _ in range(3):
+        start = time.perf_counter()
+        dst.copy_(big)
+        best_bw = max(best_bw, 2 * big.numel() * 4 / (time.perf_counter() - start))
+        start = time.perf_counter()
+        big.sum()
+        best_bw = max(best_bw, big.numel() * 4 / (time.perf_counter() - start))
+    return {"peak_matmul_gflops": round(best_gflops, 1), "memory_gb_per_s": round(best_bw / 1e9, 1)}
+
+
+def model_sizes(model_dir: Path) -> dict[str, int]:
+    """Parameter counts from config.json: the decoder's linear layers and the lm_head (SmolLM2 ties it to the
+    embedding, so a decode step reads it as well)."""
+    c = json.loads((model_dir / "config.json").read_text())
+    h, inter, layers = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
+    head_dim = c.get("head_dim") or h // c["num_attention_heads"]
+    kv = c.get("num_key_value_heads", c["num_attention_heads"]) * head_dim
+    per_layer = h * c["num_attention_heads"] * head_dim * 2 + 2 * h * kv + 3 * h * inter
+    return {"linear_params": layers * per_layer, "lm_head_params": c["vocab_size"] * h}
+
+
+def ceilings(s: Setup, pool: list[int]) -> dict:
+    """The same-run bounds no engine on this machine passes, for the throughput workload and the latency
+    request: the linear layers' FLOPs at the measured peak matmul rate (the compute roofline) and the
+    weights read once per forward pass at the measured bandwidth (the weight-stream roofline); attention,
+    LoRA, sampling and everything else taken as free. The latency bound adds the two per pass (a prefill,
+    then a decode step per further token: max of compute and stream each)."""
+    code = f"import json, peers; print(json.dumps(peers.machine_rates({s.dtype!r})))"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "server"), str(REPO / "operator")]), **cap_env()}
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO / "bench", env=env, capture_output=True, text=True)
+    if out.returncode != 0:
+        return {"error": out.stderr[-2000:]}
+    rates = json.loads(out.stdout.strip().splitlines()[-1])
+    flops_per_s, bytes_per_s = rates["peak_matmul_gflops"] * 1e9, rates["memory_gb_per_s"] * 1e9
+    sizes = model_sizes(s.model_dir)
+    width = 2 if s.dtype == "bfloat16" else 4
+    weight_bytes = width * (sizes["linear_params"] + sizes["lm_head_params"])
+    w = s.w
+    reqs = make_requests(pool, w, "lora-0", True)
+    prompt, generated = sum(map(len, reqs.prompts)), sum(reqs.outputs)
+    fed = prompt + generated - len(reqs.outputs)  # every token that goes through the layers
+    flops = 2 * (sizes["linear_params"] * fed + sizes["lm_head_params"] * generated)
+    passes = -(-generated // w.batch)  # at least one forward pass per `batch` new tokens
+    compute_s, stream_s = flops / flops_per_s, passes * weight_bytes / bytes_per_s
+    n, p = w.latency_new_tokens, w.latency_prompt_len
+    read_s = weight_bytes / bytes_per_s
+    prefill_s = max(2 * (sizes["linear_params"] * p + sizes["lm_head_params"]) / flops_per_s, read_s)
+    decode_s = max(2 * (sizes["linear_params"] + sizes["lm_head_params"]) / flops_per_s, read_s)
+    return {
+        **rates,
+        "weight_bytes": weight_bytes,
+        "throughput": {
+            "linear_tflops": round(flops / 1e12, 2),
+            "compute_tokens_per_s": round(generated / compute_s, 1),
+            "weight_stream_tokens_per_s": round(generated / stream_s, 1),
+            "tokens_per_s": round(generated / max(compute_s, stream_s), 1),
+        },
+        "latency_ms": round(1000 * (prefill_s + (n - 1) * decode_s), 1),
+    }
+
+
+def reach(goals: dict, results: dict[str, dict], ceiling: dict) -> None:
+    """To every missed ours/peer goal, the best ratio the ceiling allows against that peer's measured number,
+    and whether the target is within it on this machine."""
+    if "throughput" not in ceiling:
+        return
+    for name, goal in goals.items():
+        peer = name.split("_vs_", 1)[1]
+        theirs = results.get(peer, {}).get("summary")
+        if goal["met"] or not theirs:
+            continue
+        if name.startswith("throughput"):
+            best = ceiling["throughput"]["tokens_per_s"] / theirs["lora_tokens_per_s"]
+            goal["within_ceiling"] = best >= TARGET_THROUGHPUT[peer]
+        elif name.startswith("latency"):
+            best = ceiling["latency_ms"] / theirs["latency_ms"]
+            goal["within_ceiling"] = best <= TARGET_LATENCY[peer]
+        else:
+            continue
+        goal["best_ratio_at_ceiling"] = round(best, 3)
+        verdict = "within reach" if goal["within_ceiling"] else "out of reach on this machine"
+        print(f"peers: {name} missed ({goal['value']}, target {goal['target']}); the ceiling allows "
+              f"{goal['best_ratio_at_ceiling']}: {verdict}", file=sys.stderr)  # fmt: skip
+
+
 # report
 def target(value: float | None, bound: float, at_least: bool) -> dict:
     met = value is not None and (value >= bound if at_least else value <= bound)
@@ -722,6 +840,8 @@ def run(
         if rs and "error" not in results[name]:
             results[name]["summary"] = summarize(rs)
     comparisons, goals = ratios(results)
+    ceiling = ceilings(s, pool)
+    reach(goals, results, ceiling)
     return {
         "machine": machine(
             dtype=getattr(torch, dtype),
@@ -741,6 +861,7 @@ def run(
         "systems": results,
         "ratios": comparisons,
         "targets": goals,
+        "ceiling": ceiling,
     }
 
 
