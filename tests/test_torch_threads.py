@@ -42,6 +42,11 @@ def test_build_loads_and_steps_the_engine_on_one_thread(smollm2_dir: Path) -> No
         pool = front.engine.adapters._pool
         assert {pool.submit(torch.get_num_threads).result() for _ in range(4)} == {1}
         assert torch.get_num_threads() == DEFAULT_THREADS  # this thread's own count is untouched
+        fresh: list[int] = []  # and so is the process-wide count a new thread starts with
+        t = threading.Thread(target=lambda: fresh.append(torch.get_num_threads()))
+        t.start()
+        t.join()
+        assert fresh == [DEFAULT_THREADS]
     finally:
         front.shutdown()
     assert not any(t.ident == stepped_on for t in threading.enumerate())  # the stepping thread ended

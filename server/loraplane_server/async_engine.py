@@ -11,7 +11,7 @@ spinning between regions and sleeps (its "throttled" spin count, 100, whatever O
 every parallel region pays a futex wake: a one-row bf16 linear went from 14 us to 34-45 us, and a
 70 -> 10 request over HTTP from ~103 ms (the engine stepped in process) to ~150-170 ms when the engine was
 loaded on a worker thread and stepped on another. Threads that touch torch besides this one (the adapter
-loaders) run their ops on one thread (`serial_torch_thread`).
+loaders) run their ops on one thread (`torch_threads.serial_torch_thread`).
 """
 
 from __future__ import annotations
