@@ -216,6 +216,44 @@ __attribute__((always_inline)) inline void store8_bf16(c10::BFloat16* p, __m128i
   std::memcpy(p, buf, static_cast<size_t>(std::max<int64_t>(n, 0)) * 2);
 }
 
+// The first n (<= 16) of 16 bf16 values (bits, in order) to p.
+__attribute__((always_inline)) inline void store16_bf16(c10::BFloat16* p, __m256i bits, int64_t n) {
+  if (n >= 16) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bits);
+    return;
+  }
+  alignas(32) uint16_t buf[16];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(buf), bits);
+  std::memcpy(p, buf, static_cast<size_t>(std::max<int64_t>(n, 0)) * 2);
+}
+
+// 16 dims held as their 8 even and 8 odd values in fp32 (the split even_f32 / odd_f32 make), rounded
+// to bf16 and stored at o in order.
+__attribute__((always_inline)) inline void store16_even_odd(c10::BFloat16* o, __m256 even, __m256 odd) {
+  // 128-bit lane 0: dims 0..3 | 4..7, lane 1: 8..11 | 12..15, so packus leaves them in order
+  const __m256i lo = round_to_bf16_lanes(_mm256_unpacklo_ps(even, odd));
+  const __m256i hi = round_to_bf16_lanes(_mm256_unpackhi_ps(even, odd));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), _mm256_packus_epi32(lo, hi));
+}
+
+// One value row's step of P.V for GB query heads over DT dims (a multiple of 16): acc[j] += w[j] *
+// row, the accumulators holding each 16 dims as their even, then their odd values (decode and prefill
+// attention both keep them so; store16_even_odd puts them back in order).
+template <int64_t GB, int64_t DT>
+__attribute__((always_inline)) inline void pv_row(__m256 (&acc)[GB][DT / 8], const c10::BFloat16* row,
+                                                  const __m256 (&w)[GB]) {
+#pragma GCC unroll 4
+  for (int64_t c = 0; c < DT / 16; ++c) {
+    const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 16 * c));
+    const __m256 even = even_f32(bits), odd = odd_f32(bits);
+#pragma GCC unroll 4
+    for (int64_t j = 0; j < GB; ++j) {
+      acc[j][2 * c] = _mm256_fmadd_ps(even, w[j], acc[j][2 * c]);
+      acc[j][2 * c + 1] = _mm256_fmadd_ps(odd, w[j], acc[j][2 * c + 1]);
+    }
+  }
+}
+
 __attribute__((always_inline)) inline float hsum(__m256 x) {
   const __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
   const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));

@@ -133,17 +133,6 @@ __attribute__((always_inline)) inline __m256i load16_full(const BF* p) {
   return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
 }
 
-// The first n (<= 16) of 16 bf16 values (bits, in order) to p.
-__attribute__((always_inline)) inline void store16_bf16(BF* p, __m256i bits, int64_t n) {
-  if (n >= 16) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bits);
-    return;
-  }
-  alignas(32) uint16_t buf[16];
-  _mm256_store_si256(reinterpret_cast<__m256i*>(buf), bits);
-  std::memcpy(p, buf, static_cast<size_t>(std::max<int64_t>(n, 0)) * 2);
-}
-
 // x: [K], a: J rows of [K] -> h[j] = a_j . x: J independent chains (each an FMA pair per 16 values
 // of K), each slice of x split once for all of them; a last partial slice reads zeros past K.
 template <int J>
@@ -213,7 +202,7 @@ __attribute__((always_inline)) inline void expand_pass(BF* out, const float* h, 
     const __m256i ro = av::round_to_bf16_lanes(_mm256_add_ps(od[v], av::odd_f32(bits)));
     const __m256i sum = _mm256_or_si256(re, _mm256_slli_epi32(ro, 16));
     if (kTail)
-      store16_bf16(o, sum, width);
+      av::store16_bf16(o, sum, width);
     else
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), sum);
   }

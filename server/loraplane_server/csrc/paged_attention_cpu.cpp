@@ -560,16 +560,7 @@ struct DecodeIsa {
               __m256 w[GB];
 #pragma GCC unroll 4
               for (int64_t j = 0; j < GB; ++j) w[j] = _mm256_set1_ps(pb[j * stride + t]);
-#pragma GCC unroll 4
-              for (int64_t c = 0; c < DT / 16; ++c) {
-                const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 16 * c));
-                const __m256 even = avx2::even_f32(bits), odd = avx2::odd_f32(bits);
-#pragma GCC unroll 4
-                for (int64_t j = 0; j < GB; ++j) {
-                  acc[j][2 * c] = _mm256_fmadd_ps(even, w[j], acc[j][2 * c]);
-                  acc[j][2 * c + 1] = _mm256_fmadd_ps(odd, w[j], acc[j][2 * c + 1]);
-                }
-              }
+              avx2::pv_row<GB, DT>(acc, row, w);
             }
           }
         }
@@ -596,13 +587,8 @@ struct DecodeIsa {
   // o[0..HD) = acc * inv in bf16: each 16 dims' even and odd halves interleaved back in order.
   static void store(c10::BFloat16* o, const Acc* acc, float inv) {
     const __m256 iv = _mm256_set1_ps(inv);
-    for (int64_t c = 0; c < C16; ++c) {
-      const __m256 even = _mm256_mul_ps(acc[2 * c], iv), odd = _mm256_mul_ps(acc[2 * c + 1], iv);
-      // 128-bit lane 0: dims 0..3 | 4..7, lane 1: 8..11 | 12..15, so packus leaves them in order
-      const __m256i lo = avx2::round_to_bf16_lanes(_mm256_unpacklo_ps(even, odd));
-      const __m256i hi = avx2::round_to_bf16_lanes(_mm256_unpackhi_ps(even, odd));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16 * c), _mm256_packus_epi32(lo, hi));
-    }
+    for (int64_t c = 0; c < C16; ++c)
+      avx2::store16_even_odd(o + 16 * c, _mm256_mul_ps(acc[2 * c], iv), _mm256_mul_ps(acc[2 * c + 1], iv));
   }
 };
 #endif

@@ -297,16 +297,7 @@ inline void rows_step(int64_t r0, int64_t group, int64_t visible, const uint32_t
         __m256 w[GB];
 #pragma GCC unroll 4
         for (int64_t g = 0; g < GB; ++g) w[g] = _mm256_broadcast_ss(s[g] + t);
-#pragma GCC unroll 4
-        for (int64_t c = 0; c < DT / 16; ++c) {
-          const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 16 * c));
-          const __m256 even = avx2::even_f32(bits), odd = avx2::odd_f32(bits);
-#pragma GCC unroll 4
-          for (int64_t g = 0; g < GB; ++g) {
-            a[g][2 * c] = _mm256_fmadd_ps(even, w[g], a[g][2 * c]);
-            a[g][2 * c + 1] = _mm256_fmadd_ps(odd, w[g], a[g][2 * c + 1]);
-          }
-        }
+        avx2::pv_row<GB, DT>(a, row, w);
       }
 #pragma GCC unroll 4
       for (int64_t g = 0; g < GB; ++g)
@@ -342,14 +333,9 @@ struct PrefillIsa {
   template <int64_t HD>
   static void store_row(BF* o, const float* ar, float inv) {
     const __m256 iv = _mm256_set1_ps(inv);
-    for (int64_t c = 0; c < HD / 16; ++c) {
-      const __m256 even = _mm256_mul_ps(_mm256_loadu_ps(ar + 16 * c), iv);
-      const __m256 odd = _mm256_mul_ps(_mm256_loadu_ps(ar + 16 * c + 8), iv);
-      // 128-bit lane 0: dims 0..3 | 4..7, lane 1: 8..11 | 12..15, so packus leaves them in order
-      const __m256i lo = avx2::round_to_bf16_lanes(_mm256_unpacklo_ps(even, odd));
-      const __m256i hi = avx2::round_to_bf16_lanes(_mm256_unpackhi_ps(even, odd));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16 * c), _mm256_packus_epi32(lo, hi));
-    }
+    for (int64_t c = 0; c < HD / 16; ++c)
+      avx2::store16_even_odd(o + 16 * c, _mm256_mul_ps(_mm256_loadu_ps(ar + 16 * c), iv),
+                             _mm256_mul_ps(_mm256_loadu_ps(ar + 16 * c + 8), iv));
   }
 };
 #endif
