@@ -78,10 +78,13 @@ def has_bf16_compute() -> bool:
 
 # the kernels' build targets, best first: (the CPU flags a target needs, its compiler flags)
 KERNEL_TARGETS: dict[str, tuple[frozenset[str], tuple[str, ...]]] = {
-    # x86-64-v4 (AVX-512 F, BW, CD, DQ, VL) with AVX-512 BF16: Zen 4 and later, Sapphire Rapids and later
+    # x86-64-v4 (AVX-512 F, BW, CD, DQ, VL) with AVX-512 BF16 and VNNI (the int8 GEMM's vpdpbusd; every
+    # CPU with AVX-512 BF16 has it): Zen 4 and later, Cooper Lake, Sapphire Rapids and later
     "avx512_bf16": (
-        frozenset({"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx512_bf16", "avx2", "fma"}),
-        ("-march=x86-64-v4", "-mavx512bf16", "-mtune=generic"),
+        frozenset(
+            {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx512_bf16", "avx512_vnni", "avx2", "fma"}
+        ),
+        ("-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni", "-mtune=generic"),
     ),
     # x86-64-v3: Haswell (2013) and later, Zen 1 and later; most cloud VMs and laptops
     "avx2": (frozenset({"avx2", "fma", "f16c", "bmi1", "bmi2", "movbe"}), ("-march=x86-64-v3", "-mtune=generic")),

@@ -27,7 +27,8 @@ CPU = torch.device("cpu")
 @pytest.mark.requires_cpu_kernels
 def test_the_library_reports_the_isa_of_this_cpu() -> None:
     flags = cpu_features.cpu_flags()
-    expected = "avx512_bf16" if {"avx512_bf16", "avx512bw"} <= flags else "avx2" if "avx2" in flags else "generic"
+    avx512 = {"avx512_bf16", "avx512bw", "avx512_vnni"} <= flags
+    expected = "avx512_bf16" if avx512 else "avx2" if "avx2" in flags else "generic"
     assert cpu_features.kernel_target() == expected
     assert cpu_kernels.isa() == expected  # what the loaded library itself was compiled for
     assert f"loraplane_cpu-{expected}-" in cpu_kernels.build_dir().name
@@ -41,9 +42,11 @@ def test_the_library_reports_the_isa_of_this_cpu() -> None:
 def test_targets_are_picked_from_the_flags_and_never_built_for_native(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(cpu_features.ISA_ENV, raising=False)
     zen3 = frozenset({"avx2", "fma", "f16c", "bmi1", "bmi2", "movbe"})
+    avx512 = {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
     for flags, target in [
-        (zen3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx512_bf16"}, "avx512_bf16"),
-        (zen3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}, "avx2"),  # Skylake-X: no BF16
+        (zen3 | avx512 | {"avx512_bf16", "avx512_vnni"}, "avx512_bf16"),
+        (zen3 | avx512 | {"avx512_vnni"}, "avx2"),  # Cascade Lake: VNNI, no BF16
+        (zen3 | avx512 | {"avx512_bf16"}, "avx2"),  # BF16 without VNNI: no such CPU, and the int8 GEMM needs it
         (zen3, "avx2"),
         (frozenset({"sse4_2", "avx"}), "generic"),
     ]:
@@ -69,7 +72,7 @@ def test_the_avx2_cap_hides_every_flag_above_avx2(monkeypatch: pytest.MonkeyPatc
         cpu_features, "_cpuinfo", lambda: ("Zen 4", frozenset({"avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16"}))
     )
     assert cpu_features.has_bf16_compute()
-    assert cpu_features.march_flags("avx512_bf16")[:2] == ["-march=x86-64-v4", "-mavx512bf16"]
+    assert cpu_features.march_flags("avx512_bf16")[:3] == ["-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni"]
     monkeypatch.setenv(cpu_features.ISA_ENV, "avx2")
     assert cpu_features.cpu_flags() == {"avx2", "fma"}
     assert not cpu_features.has_bf16_compute()

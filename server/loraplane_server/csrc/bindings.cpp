@@ -26,6 +26,9 @@ TORCH_LIBRARY(loraplane, m) {
   // linear_cpu.cpp: y = x W^T (+ b), and the MLP's gate_up with SiLU-and-multiply in its epilogue
   m.def("linear_(Tensor(a!) out, Tensor x, Tensor w, Tensor? bias) -> ()");
   m.def("linear_silu_mul_(Tensor(a!) out, Tensor x, Tensor w, Tensor? bias) -> ()");
+  // linear_int8_cpu.cpp: the same two for an int8 weight quantized per output channel (scale, row sums)
+  m.def("linear_int8_(Tensor(a!) out, Tensor x, Tensor w, Tensor scale, Tensor wsum, Tensor? bias) -> ()");
+  m.def("linear_int8_silu_mul_(Tensor(a!) out, Tensor x, Tensor w, Tensor scale, Tensor wsum, Tensor? bias) -> ()");
   // layer_ops_cpu.cpp: the fused elementwise parts of a layer, and the greedy token per row
   m.def("add_rms_norm_(Tensor(a!) out, Tensor(b!) residual, Tensor? delta, Tensor weight, float eps) -> ()");
   m.def("rotary_(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
@@ -42,7 +45,8 @@ TORCH_LIBRARY(loraplane, m) {
   m.class_<loraplane_cpu::LayerWeights>("LayerWeights")
       .def(torch::init<at::Tensor, c10::optional<at::Tensor>, at::Tensor, at::Tensor, at::Tensor,
                        c10::optional<at::Tensor>, at::Tensor, c10::optional<at::Tensor>, c10::optional<at::Tensor>,
-                       int64_t, int64_t, double, double, double>());
+                       int64_t, int64_t, double, double, double>())
+      .def("set_int8", &loraplane_cpu::LayerWeights::set_int8);
   m.def(
       "decoder_layer_(Tensor(a!) x, Tensor h, __torch__.torch.classes.loraplane.LayerWeights w, Tensor(b!) k_cache, "
       "Tensor(c!) v_cache, Tensor?[] step, Tensor[] chunk_tables, int[] chunks, Tensor?[] lora, int num_decode, "
@@ -55,6 +59,8 @@ TORCH_LIBRARY_IMPL(loraplane, CPU, m) {
   m.impl("paged_prefill_attention_", loraplane_cpu::paged_prefill_attention_);
   m.impl("linear_", loraplane_cpu::linear_);
   m.impl("linear_silu_mul_", loraplane_cpu::linear_silu_mul_);
+  m.impl("linear_int8_", loraplane_cpu::linear_int8_);
+  m.impl("linear_int8_silu_mul_", loraplane_cpu::linear_int8_silu_mul_);
   m.impl("add_rms_norm_", loraplane_cpu::add_rms_norm_);
   m.impl("rotary_", loraplane_cpu::rotary_);
   m.impl("silu_mul_", loraplane_cpu::silu_mul_);

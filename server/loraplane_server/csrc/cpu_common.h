@@ -109,6 +109,34 @@ __attribute__((always_inline)) inline void store_unpacked32_bf16(c10::BFloat16* 
   _mm512_mask_storeu_epi16(out, mask, _mm512_permutexvar_epi16(order, (__m512i)_mm512_cvtne2ps_pbh(hi, lo)));
 }
 
+// 16x16 transpose of 32-bit lanes: in[i] row i -> out[j] holds column j (the GEMMs pack 16 rows of x
+// into [k][rows] this way: bf16 pairs in linear_cpu.cpp, int8 quads in linear_int8_cpu.cpp).
+__attribute__((always_inline)) inline void transpose16(__m512i (&r)[16]) {
+  __m512i t[16], u[16];
+#pragma GCC unroll 8
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < 16; i += 4) {  // u[i + c]: in each 128-bit lane j, column 4j + c of rows i..i+3
+    u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+#pragma GCC unroll 4
+  for (int c = 0; c < 4; ++c) {
+    const __m512i lo_ab = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44), hi_ab = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xEE);
+    const __m512i lo_cd = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44);
+    const __m512i hi_cd = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xEE);
+    r[c] = _mm512_shuffle_i32x4(lo_ab, lo_cd, 0x88);
+    r[4 + c] = _mm512_shuffle_i32x4(lo_ab, lo_cd, 0xDD);
+    r[8 + c] = _mm512_shuffle_i32x4(hi_ab, hi_cd, 0x88);
+    r[12 + c] = _mm512_shuffle_i32x4(hi_ab, hi_cd, 0xDD);
+  }
+}
+
 // exp(x) for x <= 0 on 16 lanes (softmax weights): 2^n * e^r with |r| <= ln2/2 (degree-6 Taylor,
 // rel. error < 2e-7); below -87 it gives ~1e-38, as exp_clamped does.
 __attribute__((always_inline)) inline __m512 exp_nonpositive(__m512 x) {
@@ -251,6 +279,28 @@ __attribute__((always_inline)) inline void pv_row(__m256 (&acc)[GB][DT / 8], con
       acc[j][2 * c] = _mm256_fmadd_ps(even, w[j], acc[j][2 * c]);
       acc[j][2 * c + 1] = _mm256_fmadd_ps(odd, w[j], acc[j][2 * c + 1]);
     }
+  }
+}
+
+// 8x8 transpose of 32-bit lanes: r[i] row i -> r[j] column j (packing 8 rows of x, as transpose16).
+__attribute__((always_inline)) inline void transpose8(__m256 (&r)[8]) {
+  __m256 t[8], u[8];
+#pragma GCC unroll 4
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+#pragma GCC unroll 2
+  for (int i = 0; i < 8; i += 4) {  // u[i + c]: in each 128-bit lane j, column 4j + c of rows i..i+3
+    u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+    u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+    u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+#pragma GCC unroll 4
+  for (int c = 0; c < 4; ++c) {
+    r[c] = _mm256_permute2f128_ps(u[c], u[4 + c], 0x20);
+    r[4 + c] = _mm256_permute2f128_ps(u[c], u[4 + c], 0x31);
   }
 }
 

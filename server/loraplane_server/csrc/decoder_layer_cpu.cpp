@@ -22,8 +22,15 @@ namespace {
 using at::Tensor;
 using OptTensor = c10::optional<at::Tensor>;
 
-// base_linear (layers/linear.py): the kernel for up to kLinearMaxRows rows (ops.h), torch's GEMM above
-Tensor project(const Tensor& x, const Tensor& w, const OptTensor& bias) {
+// base_linear (layers/linear.py): the kernel for up to kLinearMaxRows rows (ops.h), torch's GEMM above;
+// int8 weights (scale and wsum given) through linear_int8_ at every size
+Tensor project(const Tensor& x, const Tensor& w, const OptTensor& scale, const OptTensor& wsum, const OptTensor& bias) {
+  if (w.scalar_type() == at::kChar) {
+    TORCH_CHECK(scale.has_value() && wsum.has_value(), "decoder_layer_: int8 weights without their scales (set_int8)");
+    Tensor out = at::empty({x.size(0), w.size(0)}, x.options());
+    loraplane_cpu::linear_int8_(out, x, w, *scale, *wsum, bias);
+    return out;
+  }
   if (x.size(0) <= loraplane_cpu::kLinearMaxRows && x.stride(1) == 1 && w.is_contiguous()) {
     Tensor out = at::empty({x.size(0), w.size(0)}, x.options());
     loraplane_cpu::linear_(out, x, w, bias);
@@ -77,7 +84,7 @@ Tensor decoder_layer_(Tensor& x, const Tensor& h, const c10::intrusive_ptr<Layer
                 "decoder_layer_: LoRA needs the step's row slots");
 
   // attention, over every row
-  Tensor qkv = project(h, w->qkv_w, w->qkv_b);
+  Tensor qkv = project(h, w->qkv_w, w->qkv_s, w->qkv_sum, w->qkv_b);
   add_lora(qkv, h, 0, row_slots);
   Tensor q = qkv.narrow(1, 0, q_size).view({T, num_heads, D});
   Tensor k = qkv.narrow(1, q_size, kv_size).view({T, num_kv_heads, D});
@@ -101,7 +108,7 @@ Tensor decoder_layer_(Tensor& x, const Tensor& h, const c10::intrusive_ptr<Layer
     a = a.index_select(0, *logits_rows);
     r = x.index_select(0, *logits_rows);
   }
-  Tensor o = project(a, w->o_w, c10::nullopt);
+  Tensor o = project(a, w->o_w, w->o_s, w->o_sum, c10::nullopt);
   add_lora(o, a, 1, tail_slots);
   Tensor h2 = at::empty_like(r);
   add_rms_norm_(h2, r, o, w->post_norm_w, w->eps);
@@ -111,14 +118,17 @@ Tensor decoder_layer_(Tensor& x, const Tensor& h, const c10::intrusive_ptr<Layer
   Tensor act;
   if (!lora.get(6).has_value()) {
     act = at::empty({rows, inter}, x.options());
-    linear_silu_mul_(act, h2, w->gate_up_w, w->gate_up_b);
+    if (w->int8())
+      linear_int8_silu_mul_(act, h2, w->gate_up_w, *w->gate_up_s, *w->gate_up_sum, w->gate_up_b);
+    else
+      linear_silu_mul_(act, h2, w->gate_up_w, w->gate_up_b);
   } else {
-    Tensor gate_up = project(h2, w->gate_up_w, w->gate_up_b);
+    Tensor gate_up = project(h2, w->gate_up_w, w->gate_up_s, w->gate_up_sum, w->gate_up_b);
     add_lora(gate_up, h2, 2, tail_slots);
     act = at::empty({rows, inter}, x.options());
     silu_mul_(act, gate_up);
   }
-  Tensor m = project(act, w->down_w, w->down_b);
+  Tensor m = project(act, w->down_w, w->down_s, w->down_sum, w->down_b);
   add_lora(m, act, 3, tail_slots);
   if (!w->next_norm_w.has_value()) return r.add_(m);
   Tensor next = at::empty_like(r);

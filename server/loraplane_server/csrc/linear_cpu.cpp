@@ -72,6 +72,7 @@ inline uint32_t load_u32(const void* p) {
 using loraplane_cpu::bf16x16_to_f32;
 using loraplane_cpu::load32_bf16;
 using loraplane_cpu::silu_mul16;
+using loraplane_cpu::transpose16;
 
 // One 32-wide slice of K: R rows of W against MT rows of x.
 template <int R, int MT>
@@ -112,33 +113,6 @@ inline void tile(BF* out, int64_t so, const BF* x, int64_t sx, const BF* w, int6
 // ---- the GEMM path -------------------------------------------------------------------------
 
 constexpr int64_t kChunkRows = 64;  // rows of x per packed chunk: up to 4 zmm of 16 rows
-
-// 16x16 transpose of 32-bit lanes: in[i] row i -> out[j] holds column j.
-__attribute__((always_inline)) inline void transpose16(__m512i (&r)[16]) {
-  __m512i t[16], u[16];
-#pragma GCC unroll 8
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-  }
-#pragma GCC unroll 4
-  for (int i = 0; i < 16; i += 4) {  // u[i + c]: in each 128-bit lane j, column 4j + c of rows i..i+3
-    u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-    u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-    u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-    u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }
-#pragma GCC unroll 4
-  for (int c = 0; c < 4; ++c) {
-    const __m512i lo_ab = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44), hi_ab = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xEE);
-    const __m512i lo_cd = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44);
-    const __m512i hi_cd = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xEE);
-    r[c] = _mm512_shuffle_i32x4(lo_ab, lo_cd, 0x88);
-    r[4 + c] = _mm512_shuffle_i32x4(lo_ab, lo_cd, 0xDD);
-    r[8 + c] = _mm512_shuffle_i32x4(hi_ab, hi_cd, 0x88);
-    r[12 + c] = _mm512_shuffle_i32x4(hi_ab, hi_cd, 0xDD);
-  }
-}
 
 // One chunk of `rows` (<= 64) rows of x into xp [K2][width] 32-bit pairs, width = rows rounded up
 // to 16; the padding rows are zero. K is even.
@@ -318,28 +292,6 @@ constexpr int64_t kPanelRows = 24;  // rows of x per register tile: up to 3 ymm 
 constexpr int64_t kChunkRows = 72;  // rows of x per packed chunk: 3 panels, which share each block of W
 constexpr int64_t kBlockRows = 12;  // rows of W run against every panel of a chunk in turn (a multiple of 4, 6)
 
-// 8x8 transpose of 32-bit lanes: r[i] row i -> r[j] column j.
-__attribute__((always_inline)) inline void transpose8(__m256 (&r)[8]) {
-  __m256 t[8], u[8];
-#pragma GCC unroll 4
-  for (int i = 0; i < 8; i += 2) {
-    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
-    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
-  }
-#pragma GCC unroll 2
-  for (int i = 0; i < 8; i += 4) {  // u[i + c]: in each 128-bit lane j, column 4j + c of rows i..i+3
-    u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
-    u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
-    u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
-    u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
-  }
-#pragma GCC unroll 4
-  for (int c = 0; c < 4; ++c) {
-    r[c] = _mm256_permute2f128_ps(u[c], u[4 + c], 0x20);
-    r[4 + c] = _mm256_permute2f128_ps(u[c], u[4 + c], 0x31);
-  }
-}
-
 // One panel of `rows` (<= 24) rows of x into xp, widened to fp32 and split by pair: for each pair
 // kp, the rows' even values (width of them, width = rows rounded up to 8), then their odd values,
 // [K2][2][width]. The padding rows are zero. K is even. Widening here, once per call, keeps the
@@ -353,7 +305,7 @@ void pack_panel(float* xp, const BF* x, int64_t sx, int64_t rows, int64_t K2, in
       for (int i = 0; i < 8; ++i)
         r[i] = g + i < rows ? _mm256_castsi256_ps(v2::load16_bf16(x + (g + i) * sx + 2 * kp, 2 * n))
                             : _mm256_setzero_ps();
-      transpose8(r);
+      v2::transpose8(r);
       for (int64_t j = 0; j < n; ++j) {
         const __m256i pairs = _mm256_castps_si256(r[j]);
         _mm256_storeu_ps(xp + (kp + j) * 2 * width + g, v2::even_f32(pairs));

@@ -33,6 +33,13 @@ inline int64_t linear_max_rows() { return kLinearMaxRows; }
 void linear_(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias);
 void linear_silu_mul_(at::Tensor& out, const at::Tensor& x, const at::Tensor& w,
                       const c10::optional<at::Tensor>& bias);
+// linear_int8_cpu.cpp: y = x (scale * w)^T (+ bias) with w int8 [N, K] (symmetric, per output channel:
+// row n of the real weight is scale[n] * w[n]), scale fp32 [N], wsum int32 [N] = sum_k w[n, k]
+void linear_int8_(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
+                  const at::Tensor& wsum, const c10::optional<at::Tensor>& bias);
+// silu(gate) * up of the same product for w = [gate; up] ([2I, K]) -> out [M, I], as linear_silu_mul_
+void linear_int8_silu_mul_(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
+                           const at::Tensor& wsum, const c10::optional<at::Tensor>& bias);
 // layer_ops_cpu.cpp
 void add_rms_norm_(at::Tensor& out, at::Tensor& residual, const c10::optional<at::Tensor>& delta,
                    const at::Tensor& weight, double eps);

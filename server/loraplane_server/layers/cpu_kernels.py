@@ -1,6 +1,7 @@
 """Builds and loads the CPU kernels (csrc/*.cpp), once per machine: decode and prefill attention
 over the paged KV cache, the linear layers (a weight-streaming path for a few rows, a
-register-tiled GEMM for more), and the fused elementwise parts of
+register-tiled GEMM for more; bf16 weights, and int8 ones quantized per channel by layers/quant.py),
+and the fused elementwise parts of
 a decoder layer (RMSNorm with the residual add, rotary, SiLU-and-multiply) and LoRA for the rows
 of many adapters (BGMV); bf16.
 
@@ -45,6 +46,7 @@ SOURCE_NAMES = (
     "paged_attention_cpu.cpp",
     "prefill_attention_cpu.cpp",
     "linear_cpu.cpp",
+    "linear_int8_cpu.cpp",
     "layer_ops_cpu.cpp",
     "lora_cpu.cpp",
     "decoder_layer_cpu.cpp",
@@ -133,6 +135,8 @@ def load() -> bool:
                 "write_kv_",
                 "paged_prefill_attention_",
                 "linear_",
+                "linear_int8_",
+                "linear_int8_silu_mul_",
                 "add_rms_norm_",
                 "rotary_",
                 "silu_mul_",
@@ -249,6 +253,27 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """F.linear for x [M, K] (rows may be strided): weight [N, K] contiguous -> [M, N] (bf16 is the fast case)."""
     out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
     torch.ops.loraplane.linear_(out, x, weight, bias)
+    return out
+
+
+def linear_int8(
+    x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, wsum: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x (scale * w)^T (+ bias) for bf16 x [M, K] (rows may be strided) and an int8 weight from
+    quant.quantize_int8 (w int8 [N, K], scale fp32 [N], wsum int32 [N]) -> bf16 [M, N]. Up to 4 rows:
+    weight-only, exact up to fp32 sums; more: x quantized per row to int8 too (W8A8, integer dots)."""
+    out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
+    torch.ops.loraplane.linear_int8_(out, x, w, scale, wsum, bias)
+    return out
+
+
+def linear_int8_silu_mul(
+    x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, wsum: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """silu_mul(linear_int8(x, w, scale, wsum, bias)) in one pass for w = [gate; up] (int8 [2I, K]) ->
+    bf16 [M, I]; the same bits as the two ops."""
+    out = torch.empty(x.shape[0], w.shape[0] // 2, dtype=x.dtype, device=x.device)
+    torch.ops.loraplane.linear_int8_silu_mul_(out, x, w, scale, wsum, bias)
     return out
 
 
