@@ -194,6 +194,7 @@ def test_defaulting_fills_what_the_operator_relies_on():
         ("BaseModelServer", {"replicas": -1}),
         ("BaseModelServer", {"port": 70000}),
         ("BaseModelServer", {"engine": {"dtype": "int8"}}),
+        ("BaseModelServer", {"engine": {"quantization": "int4"}}),
         ("BaseModelServer", {"engine": {"hostCacheBytes": "lots"}}),
         ("BaseModelServer", {"resources": {"requests": {"memory": "16 gigs"}}}),
         ("BaseModelServer", {"autoscaling": {"kind": "vpa"}}),

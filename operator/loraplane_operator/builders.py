@@ -34,6 +34,7 @@ ENGINE_FLAGS = {
     "hostCacheBytes": "--host-cache-bytes",
     "diskCacheBytes": "--disk-cache-bytes",
     "dtype": "--dtype",
+    "quantization": "--quantization",
     "maxQueue": "--max-queue",
 }
 # spec fields that do not change the pod template (scaling is not a new configuration)

@@ -32,6 +32,13 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         help="use the model cache only, never download (default: on when HF_HUB_OFFLINE=1)",
     )
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
+    p.add_argument(
+        "--quantization",
+        default="none",
+        choices=["none", "int8"],
+        help="int8: the decoder's linear layers as int8 weights (one scale per output channel), quantized at "
+        "load; adapters, activations and the KV cache keep --dtype",
+    )
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--kv-cache-gib", type=float, default=1.0)
@@ -63,6 +70,7 @@ def _config(a: argparse.Namespace) -> EngineConfig:
         model_cache=a.model_cache,
         offline=a.offline,
         dtype=a.dtype,
+        quantization=a.quantization,
         max_num_seqs=a.max_num_seqs,
         max_num_batched_tokens=a.max_num_batched_tokens,
         kv_cache_bytes=int(a.kv_cache_gib * 2**30),
@@ -148,6 +156,7 @@ def _server_config(a: argparse.Namespace):  # noqa: ANN202 - imported lazily: ch
         model_cache=os.path.abspath(a.model_cache) if a.model_cache else None,
         offline=a.offline,
         dtype=a.dtype,
+        quantization=a.quantization,
         max_num_seqs=a.max_num_seqs,
         max_num_batched_tokens=a.max_num_batched_tokens,
         kv_cache_bytes=int(a.kv_cache_gib * 2**30),

@@ -13,6 +13,9 @@ class EngineConfig:
     model_cache: str | None = None  # downloaded and converted models; None: <user cache>/loraplane/models
     offline: bool = False  # the model cache (or local files) only: no download
     dtype: str = "auto"  # auto | bfloat16 | float16 | float32
+    # none | int8: the decoder's linear layers (q, k, v, o, gate, up, down) as int8 weights with one scale per
+    # output channel, quantized at load; activations, LoRA, norms, the KV cache, embedding and lm_head keep dtype
+    quantization: str = "none"
     device: str = "cpu"
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: derived from kv_cache_bytes
@@ -44,6 +47,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
             raise ValueError(f"dtype={self.dtype!r}: expected auto, bfloat16, float16 or float32")
+        if self.quantization not in ("none", "int8"):
+            raise ValueError(f"quantization={self.quantization!r}: expected none or int8")
         positive = ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_loras", "max_lora_rank")
         for name in positive:
             if getattr(self, name) < 1:

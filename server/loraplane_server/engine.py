@@ -75,6 +75,9 @@ class LLMEngine:
             cpu_kernels.load()
         phase("loading the weights")
         model = load_model(self.model_dir, self.dtype, self.device, self.max_model_len)
+        if config.quantization == "int8":
+            phase("quantizing the weights to int8")
+            model.quantize_int8()
         phase("allocating the KV cache and adapter slots")
         num_blocks = config.num_kv_blocks or max(
             2, config.kv_cache_bytes // kv_block_bytes(model, config.block_size, self.dtype)
@@ -129,6 +132,8 @@ class LLMEngine:
         else:
             where = str(self.device)
         dtype = str(self.dtype).removeprefix("torch.")
+        if self.config.quantization != "none":
+            dtype += f" ({self.config.quantization} weights)"
         return f"{where}; {dtype}; {self.backends.describe(self.runner.model.fused_layers)}"
 
     # requests

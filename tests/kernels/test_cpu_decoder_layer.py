@@ -19,7 +19,9 @@ from loraplane_server.sampling_params import SamplingParams
 pytestmark = pytest.mark.requires_cpu_kernels
 
 
-def run_engine(model_dir: Path, adapters: dict[str, Path], fused: bool) -> tuple[list[torch.Tensor], int]:
+def run_engine(
+    model_dir: Path, adapters: dict[str, Path], fused: bool, quantization: str = "none"
+) -> tuple[list[torch.Tensor], int]:
     """Every step's logits, and the fused layer calls, for one workload: 5 requests (4 adapters, base),
     prompts longer than the step's token budget so later chunks attend to cached context."""
     engine = make_engine(
@@ -31,6 +33,7 @@ def run_engine(model_dir: Path, adapters: dict[str, Path], fused: bool) -> tuple
         max_num_batched_tokens=48,
         enable_prefix_caching=False,
         fuse_layers=fused,
+        quantization=quantization,
     )
     assert engine.layer_backend == "cpu_kernel" and engine.attention_backend == "cpu_kernel"
     for name, path in adapters.items():
@@ -71,8 +74,9 @@ def run_engine(model_dir: Path, adapters: dict[str, Path], fused: bool) -> tuple
 
 
 @pytest.mark.requires_bf16_kernels
+@pytest.mark.parametrize("quantization", ["none", "int8"])  # int8: the projections through linear_int8_
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])  # qwen2: biases on q, k, v
-def test_fused_layer_equals_the_python_layer(kind: str, tmp_path: Path) -> None:
+def test_fused_layer_equals_the_python_layer(kind: str, quantization: str, tmp_path: Path) -> None:
     # head_dim 64 (the prefill kernel's), 4 query heads on 2 kv heads
     model_dir = save_tiny(tmp_path / kind, kind, 3.0, 7, vocab_size=384, hidden_size=256, intermediate_size=352)
     adapters = {
@@ -80,8 +84,8 @@ def test_fused_layer_equals_the_python_layer(kind: str, tmp_path: Path) -> None:
         for i, (name, spec) in enumerate(ADAPTER_SPECS.items())
     }
     with torch.inference_mode():
-        fused, calls = run_engine(model_dir, adapters, fused=True)
-        python, none = run_engine(model_dir, adapters, fused=False)
+        fused, calls = run_engine(model_dir, adapters, fused=True, quantization=quantization)
+        python, none = run_engine(model_dir, adapters, fused=False, quantization=quantization)
     assert none == 0
     # every layer of every step, fused: the last one too, on the logits rows alone where the step prunes
     layers = 3
@@ -115,8 +119,23 @@ def test_fused_layer_refuses_malformed_arguments() -> None:
         cpu_kernels.layer_weights(bad, (heads, kv_heads), 0.125, (1e-5, 1e-5))
     with pytest.raises(RuntimeError, match="positive multiple of num_kv_heads"):
         cpu_kernels.layer_weights(weights, (3, 2), 0.125, (1e-5, 1e-5))
-    with pytest.raises(RuntimeError, match="contiguous bf16"):
+    with pytest.raises(RuntimeError, match="all bf16 or all int8"):
         cpu_kernels.layer_weights([weights[0].float(), *weights[1:]], (heads, kv_heads), 0.125, (1e-5, 1e-5))
+    # int8 projections: each needs its scales and row sums, of the right shapes
+    q8 = [w.to(torch.int8) if i in (0, 2, 4, 6) else w for i, w in enumerate(weights)]
+    with pytest.raises(RuntimeError, match="all bf16 or all int8"):
+        cpu_kernels.layer_weights([*q8[:2], weights[2], *q8[3:]], (heads, kv_heads), 0.125, (1e-5, 1e-5))
+    int8_layer = cpu_kernels.layer_weights(q8, (heads, kv_heads), 0.125, (1e-5, 1e-5))
+    parts = [
+        t for i in (0, 2, 4, 6) for t in (torch.ones(q8[i].shape[0]), torch.zeros(q8[i].shape[0], dtype=torch.int32))
+    ]
+    with pytest.raises(RuntimeError, match="a scale and a sum for each of 4"):
+        int8_layer.set_int8(parts[:6])
+    with pytest.raises(RuntimeError, match="scale must be fp32"):
+        int8_layer.set_int8([torch.ones(3), *parts[1:]])
+    with pytest.raises(RuntimeError, match="not int8"):
+        cpu_kernels.layer_weights(weights, (heads, kv_heads), 0.125, (1e-5, 1e-5)).set_int8(parts)
+    int8_layer.set_int8(parts)
     layer = cpu_kernels.layer_weights(weights, (heads, kv_heads), 0.125, (1e-5, 1e-5))
     caches = torch.zeros(2, 4, 16, kv_heads, d, dtype=bf)
     cos, sin = torch.ones(t, d, dtype=bf), torch.zeros(t, d, dtype=bf)

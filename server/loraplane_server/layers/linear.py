@@ -6,12 +6,15 @@ its name and output slice, so a LoRA delta can be added to exactly its part of t
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from loraplane_server.forward_batch import ForwardBatch
 from loraplane_server.layers import cpu_kernels
+from loraplane_server.layers.quant import quantize_int8, torch_int8_linear
 
 
 def base_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernels: bool) -> torch.Tensor:
@@ -20,6 +23,25 @@ def base_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         if x.stride(-1) == 1 and weight.is_contiguous():
             return cpu_kernels.linear(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+class Int8Weight(NamedTuple):
+    """A linear layer's weight as layers/quant.py's quantize_int8 gives it."""
+
+    q: torch.Tensor  # int8 [N, K]
+    scale: torch.Tensor  # fp32 [N]
+    wsum: torch.Tensor  # int32 [N]
+
+
+def int8_linear(x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None, kernels: bool) -> torch.Tensor:
+    """x (scale * q)^T (+ bias): the CPU kernel (bf16 x, the layer kernels on), Triton on CUDA, torch otherwise."""
+    if kernels and x.dtype == torch.bfloat16 and x.dim() == 2 and x.stride(-1) == 1:
+        return cpu_kernels.linear_int8(x, w.q, w.scale, w.wsum, bias)
+    if x.is_cuda:
+        from loraplane_server.layers import triton_int8  # Triton only where CUDA runs
+
+        return triton_int8.int8_linear(x, w.q, w.scale, bias)
+    return torch_int8_linear(x, w.q, w.scale, bias)
 
 
 class ProjectionLinear(nn.Module):
@@ -40,6 +62,20 @@ class ProjectionLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(start, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(start), requires_grad=False) if bias else None
         self.kernels = False  # the bf16 CPU layer kernels (the model's use_backends)
+        # int8 weights (quantize_int8): weight is then int8 and these its per-channel scales and row sums
+        self.weight_scale: torch.Tensor | None = None
+        self.weight_sum: torch.Tensor | None = None
+
+    @property
+    def int8(self) -> bool:
+        return self.weight.dtype == torch.int8
+
+    def quantize_int8(self) -> None:
+        """The weight as int8 with a scale per output channel (layers/quant.py), once, after loading; the
+        float copy is freed."""
+        q, scale, wsum = quantize_int8(self.weight.data)
+        self.weight = nn.Parameter(q, requires_grad=False)
+        self.weight_scale, self.weight_sum = scale, wsum
 
     def load(self, name: str, part: str, tensor: torch.Tensor) -> None:
         """Copy a checkpoint tensor (part 'weight' or 'bias') into projection `name`'s slice."""
@@ -51,8 +87,22 @@ class ProjectionLinear(nn.Module):
             raise ValueError(f"{name}.{part}: shape {tuple(tensor.shape)}, expected {tuple(target[lo:hi].shape)}")
         target.data[lo:hi].copy_(tensor)
 
+    def base(self, x: torch.Tensor) -> torch.Tensor:
+        """x W^T (+ b) without LoRA: base_linear, or the int8 weight through its kernel."""
+        if not self.int8:
+            return base_linear(x, self.weight, self.bias, self.kernels)
+        assert self.weight_scale is not None and self.weight_sum is not None
+        return int8_linear(x, Int8Weight(self.weight, self.weight_scale, self.weight_sum), self.bias, self.kernels)
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of this gate|up layer in one kernel call (the CPU kernels, bf16 x)."""
+        if not self.int8:
+            return cpu_kernels.linear_silu_mul(x, self.weight, self.bias)
+        assert self.weight_scale is not None and self.weight_sum is not None
+        return cpu_kernels.linear_int8_silu_mul(x, self.weight, self.weight_scale, self.weight_sum, self.bias)
+
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        out = base_linear(x, self.weight, self.bias, self.kernels)  # [T, out]
+        out = self.base(x)  # [T, out]
         if batch.lora is not None:
             out = batch.lora.apply(self, x, out)
         return out
