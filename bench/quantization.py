@@ -116,7 +116,7 @@ def plot(result: dict, path: Path) -> str | None:
     if plt is None:
         return None
     names = [f"decode_b{b}" for b in DECODE_BATCHES] + ["multi_adapter"]
-    labels = [f"decode, batch {b}" for b in DECODE_BATCHES] + ["64 adapters, 256 requests"]
+    labels = [f"decode\nbatch {b}" for b in DECODE_BATCHES] + ["256 requests\n64 adapters"]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     x = range(len(names))
     for i, mode in enumerate(MODES):
@@ -129,7 +129,7 @@ def plot(result: dict, path: Path) -> str | None:
     mib = [result["bytes"][m]["linear_layers"] / 2**20 for m in MODES]
     axes[1].bar(["bf16" if m == "none" else m for m in MODES], mib, color="#2a7")
     axes[1].set_title("linear layers' weights (MiB)")
-    fig.suptitle(str(result["machine"].get("cpu", "")), fontsize=9)
+    fig.suptitle(f"{result['machine'].get('cpu', '')}, kernels for {result['machine'].get('kernel_isa')}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
