@@ -109,6 +109,9 @@ def env(kubectl: Kubectl, cluster: LocalCluster, tmp_path_factory: pytest.TempPa
         operator.wait_started()
         server = local_server_sample(adapters_dir, replicas=REPLICAS)
         server["metadata"]["name"] = SERVER
+        # 3 servers share this machine's 2 cores: one torch thread each (as the autoscaling and helm tests do),
+        # else each server's OpenMP workers spin on cores another server's step is waiting for
+        server["spec"]["args"] += ["--torch-threads", "1"]
         server["spec"]["router"] = {
             "enabled": True,
             "replicas": 2,
