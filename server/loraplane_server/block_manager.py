@@ -207,6 +207,22 @@ class BlockManager:
                 block.block_hash, block.token_ids = h, tokens
                 self.cached.setdefault(h, block.block_id)
 
+    def trim(self, seq: Sequence) -> None:
+        """Give back the tail blocks past seq's tokens (rejected speculative tokens' KV slots). They were taken
+        for this step alone and never registered in the prefix cache (only blocks of computed tokens are);
+        they go back to the front of seq's room, the blocks it grows into next."""
+        keep = self.blocks_needed(len(seq))
+        tail = seq.block_table[keep:]
+        if not tail:
+            return
+        del seq.block_table[keep:]
+        for block_id in tail:
+            block = self.blocks[block_id]
+            assert block.ref_count == 1 and block.block_hash is None, "a trimmed block was shared or cached"
+            block.ref_count = 0
+            self.room[block_id] = seq.seq_id
+        self.seq_room[seq.seq_id] = tail + self.seq_room.get(seq.seq_id, [])
+
     def free_seq(self, seq: Sequence) -> None:
         """Drop seq's references; tail blocks go to the free list first so they are evicted first.
 

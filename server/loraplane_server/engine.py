@@ -41,6 +41,7 @@ from loraplane_server.sampler import make_generator
 from loraplane_server.sampling_params import SamplingParams
 from loraplane_server.scheduler import Scheduler
 from loraplane_server.sequence import FinishReason, Sequence
+from loraplane_server.speculative import SpecState, cap_proposal, spare_tokens
 from loraplane_server.user_cache import cache_root
 
 log = logging.getLogger("loraplane.engine")
@@ -160,6 +161,8 @@ class LLMEngine:
             self.adapters.request(adapter_id)  # raises UnknownAdapterError
         seq = Sequence(request_id, ids, params, adapter_id)
         seq.generator = make_generator(params.seed, self.device)
+        if (params.speculative or self.config.speculative) == "ngram":
+            seq.spec = SpecState(max_k=self.config.speculative_k)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
         return request_id
@@ -209,12 +212,14 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         outputs, self._aborted = self._aborted, []
         outputs += self.orchestrator.poll()
+        proposing = self._propose()
         plan = self.scheduler.schedule()
         self.adapters.stats.hits["device"] += plan.slot_hits
         outputs += self.orchestrator.load_slots(plan.slot_loads)
         scheduled = [(s, n) for s, n in plan.scheduled if not s.is_finished]
         self.last_step_tokens = sum(n for _, n in scheduled)
         if not scheduled:
+            self._drop_proposals(proposing)
             if not outputs and self.scheduler.num_waiting:
                 self.adapters.wait_for_completion(0.01)  # only adapter loads can unblock the queue
             return outputs
@@ -223,21 +228,81 @@ class LLMEngine:
         now = time.monotonic()
         for seq, n in scheduled:
             seq.first_scheduled_time = seq.first_scheduled_time or now
-            seq.num_computed_tokens += n
-            self.block_manager.commit(seq)
+            if not seq.proposed:  # a speculative sequence's computed tokens are known once verified
+                seq.num_computed_tokens += n
+                self.block_manager.commit(seq)
         outputs += self._fail_nonfinite()
         now = time.monotonic()
-        for seq, token, logprob in zip(samplers, tokens, logprobs, strict=True):
-            kept = [logprob] if seq.params.logprobs else []
-            seq.append_token(token, logprob if kept else None)
+        for seq, seq_tokens, seq_logprobs in zip(samplers, tokens, logprobs, strict=True):
             seq.first_token_time = seq.first_token_time or now
-            reason = self._check_finish(seq, token)
-            if reason is not None:
-                self.scheduler.finish(seq, reason)
-            outputs.append(self._output(seq, [token], kept))
-            if reason is not None:
-                self._release(seq)
+            if seq.proposed:
+                outputs += self._accept(seq, seq_tokens, seq_logprobs)
+            else:
+                outputs += self._append(seq, seq_tokens[0], seq_logprobs[0])
+        self._drop_proposals(proposing)
         return outputs
+
+    def _append(self, seq: Sequence, token: int, logprob: float) -> list[RequestOutput]:
+        """One new token through the finish checks; its output."""
+        kept = [logprob] if seq.params.logprobs else []
+        seq.append_token(token, logprob if kept else None)
+        reason = self._check_finish(seq, token)
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+        out = self._output(seq, [token], kept)
+        if reason is not None:
+            self._release(seq)
+        return [out]
+
+    # speculative decoding
+    def _propose(self) -> list[Sequence]:
+        """Prompt-lookup proposals for the decoding sequences that speculate, while the step's tokens stay
+        under speculative_max_step_tokens (a larger step is compute-bound); the sequences given some."""
+        running = self.scheduler.running
+        if not any(s.spec is not None for s in running):
+            return []
+        num_tokens = min(sum(s.num_uncomputed_tokens for s in running), self.config.max_num_batched_tokens)
+        spare = spare_tokens(num_tokens, self.config.speculative_max_step_tokens)
+        proposing: list[Sequence] = []
+        for seq in running:
+            if spare <= 0:
+                break
+            if seq.spec is None or seq.num_uncomputed_tokens != 1:
+                continue
+            k = min(
+                spare,
+                cap_proposal(
+                    seq.spec.k, seq.num_output_tokens, seq.params.max_new_tokens, len(seq), self.max_model_len
+                ),
+            )
+            seq.spec.proposed = seq.spec.index.propose(seq.token_ids, k) if k > 0 else []
+            if seq.spec.proposed:
+                spare -= len(seq.spec.proposed)
+                proposing.append(seq)
+        return proposing
+
+    def _accept(self, seq: Sequence, tokens: list[int], logprobs: list[float]) -> list[RequestOutput]:
+        """A verified run: the accepted proposals and the model's own token, one by one through the finish
+        checks (a stop, EOS or max_tokens inside the run ends it there); the rejected tokens' blocks back."""
+        assert seq.spec is not None
+        seq.spec.adapt(len(seq.spec.proposed), len(tokens) - 1)
+        seq.spec.proposed = []
+        seq.num_computed_tokens += len(tokens)  # the last token and the accepted proposals now hold K/V
+        outputs: list[RequestOutput] = []
+        for token, logprob in zip(tokens, logprobs, strict=True):
+            outputs += self._append(seq, token, logprob)
+            if seq.is_finished:
+                return outputs
+        self.block_manager.commit(seq)
+        self.block_manager.trim(seq)
+        return outputs
+
+    @staticmethod
+    def _drop_proposals(seqs: list[Sequence]) -> None:
+        """Proposals not verified this step (the sequence was not scheduled) are dropped."""
+        for seq in seqs:
+            if seq.spec is not None:
+                seq.spec.proposed = []
 
     def _check_finish(self, seq: Sequence, token: int) -> FinishReason | None:
         p = seq.params
@@ -271,6 +336,9 @@ class LLMEngine:
             first_scheduled_time=seq.first_scheduled_time,
             first_token_time=seq.first_token_time,
         )
+        if seq.spec is not None:
+            out.num_spec_proposed, out.num_spec_accepted = seq.spec.num_proposed, seq.spec.num_accepted
+            out.num_spec_steps = seq.spec.num_steps
         if finished:
             out.token_ids, out.text, out.logprobs = seq.output_token_ids, seq.detok.text, seq.logprobs
         return out

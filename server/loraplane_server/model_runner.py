@@ -11,6 +11,7 @@ from loraplane_server.lora.slots import LoRASlots
 from loraplane_server.models.llama import LlamaForCausalLM
 from loraplane_server.sampler import Sampler
 from loraplane_server.sequence import Sequence
+from loraplane_server.verifier import verify
 
 
 def kv_block_bytes(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
@@ -61,6 +62,7 @@ class ModelRunner:
         slots: list[int] = []
         logits_rows: list[int] = []
         samplers: list[Sequence] = []
+        row_seqs: list[Sequence] = []  # the sequence of each logits row
         chunks: list[PrefillChunk] = []
         bs = self.block_size
         for i, (seq, n) in enumerate(decodes + prefills):
@@ -68,12 +70,17 @@ class ModelRunner:
             if i >= len(decodes):
                 table = torch.tensor(seq.block_table[: -(-end // bs)], dtype=torch.int64)
                 chunks.append(PrefillChunk(len(ids), n, start, table.to(self.device)))
-            ids.extend(seq.token_ids[start:end])
+            ids.extend(seq.token_ids[start:end] if not seq.proposed else seq.token_ids[start:] + seq.proposed)
             positions.extend(range(start, end))
             slots.extend(seq.block_table[p // bs] * bs + p % bs for p in range(start, end))
             if end == len(seq):  # the step reaches the last token: sample the next one
                 logits_rows.append(len(ids) - 1)
                 samplers.append(seq)
+                row_seqs.append(seq)
+            elif seq.proposed:  # speculative: every row is checked, the last token's and each proposal's
+                logits_rows.extend(range(len(ids) - n, len(ids)))
+                samplers.append(seq)
+                row_seqs.extend([seq] * n)
         tables, lens = None, None
         if decodes:
             width = max(len(s.block_table) for s, _ in decodes)
@@ -92,7 +99,7 @@ class ModelRunner:
         self.backends.attention.prepare(batch, bs)
         batch.lora = self._lora_batch(decodes, prefills, chunks, len(ids))
         if batch.lora is not None and batch.prunes_last_layer:
-            batch.logits_lora = self._rows_lora_batch(samplers)
+            batch.logits_lora = self._rows_lora_batch(row_seqs)
         return t(ids), batch, samplers
 
     def _lora_batch(
@@ -123,40 +130,48 @@ class ModelRunner:
         none = self.lora_slots.none_slot
         return [none if s.lora_slot is None else s.lora_slot for s in seqs]
 
-    def _rows_lora_batch(self, samplers: list[Sequence]) -> LoRABatch | None:
-        """The adapters of the logits rows (one per sampling sequence, in order), each row on its own."""
+    def _rows_lora_batch(self, row_seqs: list[Sequence]) -> LoRABatch | None:
+        """The adapters of the logits rows (one per sampling sequence, k + 1 for a speculative one), each
+        row on its own."""
         assert self.lora_slots is not None
-        rows = self._row_slots(samplers)
+        rows = self._row_slots(row_seqs)
         lora = self.backends.lora.prepare(self.lora_slots, rows, [], len(rows))
         return None if lora.is_empty else lora
 
     @torch.inference_mode()
-    def run(self, scheduled: list[tuple[Sequence, int]]) -> tuple[list[Sequence], list[int], list[float]]:
-        """One forward pass; returns the sequences that sampled, their tokens and logprobs."""
+    def run(self, scheduled: list[tuple[Sequence, int]]) -> tuple[list[Sequence], list[list[int]], list[list[float]]]:
+        """One forward pass; returns the sequences that sampled, their tokens and logprobs: one each, or for a
+        speculative sequence its accepted proposals and the model's own next token (verifier.py)."""
         input_ids, batch, samplers = self.prepare(scheduled)
-        logits = self.model(input_ids, self.kv_caches, batch)  # [S, V]
+        logits = self.model(input_ids, self.kv_caches, batch)  # [R, V]
         logits, samplers = self._drop_nonfinite(logits, samplers)
         if not samplers:
             return [], [], []
+        if len(logits) > len(samplers):
+            return samplers, *verify(self.sampler, logits, samplers)
         gens = [s.generator for s in samplers]
         seen = [s.token_ids if s.params.repetition_penalty != 1.0 else [] for s in samplers]
         tokens, logprobs = self.sampler(logits, [s.params for s in samplers], gens, seen)
-        return samplers, tokens.tolist(), logprobs.tolist()
+        return samplers, [[t] for t in tokens.tolist()], [[lp] for lp in logprobs.tolist()]
 
     def _drop_nonfinite(self, logits: torch.Tensor, samplers: list[Sequence]) -> tuple[torch.Tensor, list[Sequence]]:
-        """Set aside the rows whose logits hold NaN or inf (validation keeps them out, this is the backstop):
-        their sequences go to `nonfinite` and their KV blocks are zeroed, so a block's next owner never
+        """Set aside the sequences whose logits rows hold NaN or inf (validation keeps them out, this is the
+        backstop): they go to `nonfinite` and their KV blocks are zeroed, so a block's next owner never
         reads a stale NaN; the other rows sample as usual."""
         # a row's sum is non-finite whenever one of its logits is (NaN, inf, or inf - inf): one reduction,
         # ~0.2 ms for 64 x 49,152 where isfinite().all() over every logit took ~4 ms a step
         if not samplers or bool(torch.isfinite(logits.sum(dim=-1)).all()):
             return logits, samplers
-        keep = torch.isfinite(logits).all(dim=-1).tolist()  # the exact rows, only when some row is suspect
+        row_ok = torch.isfinite(logits).all(dim=-1).tolist()  # the exact rows, only when some row is suspect
+        counts = [1 + len(s.proposed) for s in samplers]
+        starts = [sum(counts[:i]) for i in range(len(counts))]
+        keep = [all(row_ok[a : a + c]) for a, c in zip(starts, counts, strict=True)]
         for seq in (s for s, ok in zip(samplers, keep, strict=True) if not ok):
             self.kv_caches[:, :, seq.block_table] = 0
             self.nonfinite.append(seq)
-        rows = torch.tensor([i for i, ok in enumerate(keep) if ok], dtype=torch.int64, device=logits.device)
-        return logits.index_select(0, rows), [s for s, ok in zip(samplers, keep, strict=True) if ok]
+        rows = [r for a, c, ok in zip(starts, counts, keep, strict=True) if ok for r in range(a, a + c)]
+        index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+        return logits.index_select(0, index), [s for s, ok in zip(samplers, keep, strict=True) if ok]
 
     def take_nonfinite(self) -> list[Sequence]:
         """The sequences set aside since the last call (see _drop_nonfinite)."""

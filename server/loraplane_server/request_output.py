@@ -33,3 +33,7 @@ class RequestOutput:
     arrival_time: float = 0.0  # time.monotonic() at add_request
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    # speculative decoding so far: tokens proposed, of those accepted, and the passes that verified them
+    num_spec_proposed: int = 0
+    num_spec_accepted: int = 0
+    num_spec_steps: int = 0

@@ -75,10 +75,8 @@ def draw_exponential(vocab_size: int, generators: list[torch.Generator | None], 
     return noise
 
 
-def sample_rows(
-    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
-) -> torch.Tensor:
-    """Sampled token ids [B] from logits [B, V] after temperature, top-k and top-p."""
+def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The distribution each sampled row draws from [B, V]: logits [B, V] after temperature, top-k and top-p."""
     device = logits.device
     temperature = torch.tensor([p.temperature for p in params], device=device)
     logits = logits / temperature[:, None]
@@ -86,8 +84,15 @@ def sample_rows(
         top_k = torch.tensor([p.top_k for p in params], dtype=torch.long, device=device)
         top_p = torch.tensor([p.top_p for p in params], device=device)
         logits = apply_top_k_top_p(logits, top_k, top_p)
-    probs = logits.softmax(dim=-1)  # [B, V]
-    noise = draw_exponential(probs.shape[-1], generators, device)
+    return logits.softmax(dim=-1)
+
+
+def sample_rows(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+) -> torch.Tensor:
+    """Sampled token ids [B] from logits [B, V] after temperature, top-k and top-p."""
+    probs = sampling_probs(logits, params)  # [B, V]
+    noise = draw_exponential(probs.shape[-1], generators, logits.device)
     return (probs / noise).argmax(dim=-1)
 
 

@@ -30,6 +30,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: bool = False
+    speculative: str | None = None  # off | ngram (prompt-lookup speculative decoding); None: the server's default
 
     def __post_init__(self) -> None:
         self._check()
@@ -51,6 +52,8 @@ class SamplingParams:
         for name, ok, why in checks:
             if not ok:
                 raise InvalidParameterError(f"{name}={getattr(self, name)!r} {why}", param=name)
+        if self.speculative not in (None, "off", "ngram"):
+            raise InvalidParameterError(f"speculative={self.speculative!r} must be off or ngram", param="speculative")
         if any(not s for s in self.stop):
             raise InvalidParameterError("stop strings must not be empty", param="stop")
 

@@ -97,6 +97,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_uncomputed_tokens, budget)
+            if seq.proposed:  # speculative: verify the proposals that fit, none when blocks run short
+                n = self._fit_proposals(seq, budget)
             while not bm.can_allocate(seq, n):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -110,6 +112,14 @@ class Scheduler:
             budget -= n
             i += 1
         return budget
+
+    def _fit_proposals(self, seq: Sequence, budget: int) -> int:
+        """Trim a decoding sequence's proposals to the budget and the free blocks; its tokens this step."""
+        assert seq.spec is not None and seq.num_uncomputed_tokens == 1
+        del seq.spec.proposed[max(0, budget - 1) :]
+        if seq.spec.proposed and not self.block_manager.can_allocate(seq, 1 + len(seq.spec.proposed)):
+            seq.spec.proposed = []
+        return 1 + len(seq.spec.proposed)
 
     # waiting: deficit round robin over adapter queues
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from loraplane_server.detokenizer import Detokenizer
 from loraplane_server.errors import RequestFailedError
 from loraplane_server.sampling_params import SamplingParams
+from loraplane_server.speculative import SpecState
 
 if TYPE_CHECKING:
     import torch
@@ -61,6 +62,7 @@ class Sequence:
         self.logprobs: list[float] = []
         self.detok = Detokenizer(self.num_prompt_tokens, params.stop)
         self.generator = None
+        self.spec: SpecState | None = None  # prompt-lookup speculation, when this request uses it
         self.failure: RequestFailedError | None = None  # why it finished with FinishReason.ERROR
         self.arrival_time = time.monotonic()
         self.first_scheduled_time: float | None = None
@@ -82,6 +84,11 @@ class Sequence:
         return len(self.token_ids) - self.num_computed_tokens
 
     @property
+    def proposed(self) -> list[int]:
+        """This step's speculative proposals (verified after the sequence's last token), if any."""
+        return self.spec.proposed if self.spec is not None else []
+
+    @property
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
 
@@ -99,4 +106,6 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
         self.num_preemptions += 1
+        if self.spec is not None:
+            self.spec.proposed = []
         self.status = SequenceStatus.WAITING

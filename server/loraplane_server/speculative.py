@@ -1,0 +1,93 @@
+"""Speculative decoding, stage 1: prompt lookup (n-gram) proposals and how many a step may verify. No torch.
+
+A sequence in decode proposes up to k next tokens by matching its last n tokens (n from `MAX_NGRAM` down
+to 1) against its prompt and output so far, and copying what followed the most recent match. The model
+then checks the k proposals in one forward pass (k + 1 query rows for that sequence, a chunk over its own
+cache) and keeps the longest correct run plus one token of its own (model_runner.py verifies, engine.py
+accepts the tokens one by one through the usual finish checks).
+
+k adapts per sequence: one more after a fully accepted run, one less after a rejection, within
+1..max_k. Speculation pays while a step is bound by reading the weights: `plan` hands out proposals
+only while the step's tokens stay under `max_step_tokens` (EngineConfig.speculative_max_step_tokens),
+so a large batch switches it off by itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MAX_NGRAM = 3  # the longest suffix matched
+METHODS = ("off", "ngram")
+
+
+@dataclass
+class NgramIndex:
+    """The most recent end position of every 1..MAX_NGRAM-gram of a sequence that has a token after it,
+    extended incrementally as tokens are appended (a lookup is O(1), whatever the context length)."""
+
+    last_end: dict[tuple[int, ...], int] = field(default_factory=dict)
+    num_indexed: int = 0  # positions p < num_indexed have their n-grams ending at p in last_end
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        """Up to k tokens that followed the most recent earlier match of the longest matching suffix."""
+        self._extend(tokens)
+        size = len(tokens)
+        for n in range(min(MAX_NGRAM, size - 1), 0, -1):
+            end = self.last_end.get(tuple(tokens[size - n :]))
+            if end is not None:
+                return _copy_after(tokens, end, k)
+        return []
+
+    def _extend(self, tokens: list[int]) -> None:
+        """Index the n-grams ending at every position but the last (the last has nothing after it yet)."""
+        for p in range(self.num_indexed, len(tokens) - 1):
+            for n in range(1, min(MAX_NGRAM, p + 1) + 1):
+                self.last_end[tuple(tokens[p - n + 1 : p + 1])] = p
+        self.num_indexed = max(self.num_indexed, len(tokens) - 1)
+
+
+def _copy_after(tokens: list[int], end: int, k: int) -> list[int]:
+    """The k tokens after position `end`; a copy running into the end of `tokens` goes on over itself
+    (a period shorter than k repeats)."""
+    out: list[int] = []
+    size = len(tokens)
+    for i in range(end + 1, end + 1 + k):
+        out.append(tokens[i] if i < size else out[i - size])
+    return out
+
+
+@dataclass
+class SpecState:
+    """One sequence's speculation: its n-gram index, its current k, and the proposals of this step."""
+
+    max_k: int
+    k: int = 0
+    index: NgramIndex = field(default_factory=NgramIndex)
+    proposed: list[int] = field(default_factory=list)  # this step's proposals, verified in this step's pass
+    num_proposed: int = 0  # over the request's life, for its outputs and the metrics
+    num_accepted: int = 0
+    num_steps: int = 0  # passes that verified proposals
+
+    def __post_init__(self) -> None:
+        self.k = self.k or self.max_k
+
+    def adapt(self, num_proposed: int, num_accepted: int) -> None:
+        """Count a verified run; grow k after a fully accepted one, shrink it after a rejection."""
+        self.num_proposed += num_proposed
+        self.num_accepted += num_accepted
+        self.num_steps += 1
+        if num_accepted == num_proposed:
+            self.k = min(self.k + 1, self.max_k)
+        else:
+            self.k = max(self.k - 1, 1)
+
+
+def spare_tokens(num_step_tokens: int, max_step_tokens: int) -> int:
+    """How many proposals a step whose ordinary tokens number num_step_tokens may add."""
+    return max(0, max_step_tokens - num_step_tokens)
+
+
+def cap_proposal(k: int, num_output: int, max_new_tokens: int, length: int, max_model_len: int) -> int:
+    """k within what the request may still emit: k accepted tokens plus the model's own one must fit in
+    max_new_tokens and in the context."""
+    return max(0, min(k, max_new_tokens - num_output - 1, max_model_len - length - 1))
