@@ -124,6 +124,8 @@ class LLMEngine:
         self._counter = itertools.count()
         self.num_steps = 0
         self.last_step_tokens = 0
+        self.spec_proposed_total = 0  # speculative tokens proposed and accepted, every request together
+        self.spec_accepted_total = 0
 
     def describe(self) -> str:
         """One line of what runs where: the CPU (or device), dtype, the kernels' ISA, every backend."""
@@ -286,6 +288,8 @@ class LLMEngine:
         checks (a stop, EOS or max_tokens inside the run ends it there); the rejected tokens' blocks back."""
         assert seq.spec is not None
         seq.spec.adapt(len(seq.spec.proposed), len(tokens) - 1)
+        self.spec_proposed_total += len(seq.spec.proposed)
+        self.spec_accepted_total += len(tokens) - 1
         seq.spec.proposed = []
         seq.num_computed_tokens += len(tokens)  # the last token and the accepted proposals now hold K/V
         outputs: list[RequestOutput] = []

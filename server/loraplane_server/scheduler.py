@@ -114,10 +114,13 @@ class Scheduler:
         return budget
 
     def _fit_proposals(self, seq: Sequence, budget: int) -> int:
-        """Trim a decoding sequence's proposals to the budget and the free blocks; its tokens this step."""
+        """Trim a decoding sequence's proposals to the budget; none unless the blocks they take leave one
+        for every running sequence (a proposal never costs anyone a preemption). Its tokens this step."""
         assert seq.spec is not None and seq.num_uncomputed_tokens == 1
+        bm = self.block_manager
         del seq.spec.proposed[max(0, budget - 1) :]
-        if seq.spec.proposed and not self.block_manager.can_allocate(seq, 1 + len(seq.spec.proposed)):
+        needed = bm.blocks_needed(seq.num_computed_tokens + 1 + len(seq.spec.proposed)) - len(seq.block_table)
+        if bm.num_free_blocks - needed < len(self.running):
             seq.spec.proposed = []
         return 1 + len(seq.spec.proposed)
 
