@@ -309,3 +309,62 @@ def test_sampled_token_distribution_matches_plain_sampling(tiny_llama_dir: Path)
     assert len(set(draws["off"])) > 2
     p = chi_square_p(draws["off"], draws["ngram"])
     assert p > 1e-3, p
+
+
+# the built-in model, and the bf16 kernels
+GROUNDED = (
+    "The river town of Halden keeps its market on the north bank every Tuesday. Farmers bring apples, pears and "
+    "goat cheese; the baker sells rye loaves until noon. In winter the market moves into the old grain hall."
+)
+SMOL_PROMPTS = [
+    f"Repeat the following text exactly, word for word:\n\n{GROUNDED}\n\nRepeated text:\n",
+    f"Copy this paragraph, replacing 'Tuesday' with 'Friday':\n\n{GROUNDED}\n\nNew paragraph:\n",
+    "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\n# the same functions with type hints\n",
+]
+
+
+def test_smollm2_greedy_equal_with_an_adapter_and_a_stop_string_inside_a_run(smollm2_dir: Path, tmp_path: Path) -> None:
+    adapter = make_peft_adapter(smollm2_dir, tmp_path / "a", seed=0, b_scale=0.05, **ADAPTER_SPECS["qv-r4"])
+    engine = make_engine(smollm2_dir, speculative="ngram")
+    ids = [engine.tokenizer.encode(p, add_special_tokens=False) for p in SMOL_PROMPTS]
+    (full,), (groups,) = run_work(engine, [(None, ids[0], SamplingParams(max_new_tokens=24), 0)])
+    # a stop string inside a run: the text of a group's second token that the output had not shown before
+    ends = [sum(groups[: g + 1]) for g in range(len(groups))]
+    stop = next(
+        text
+        for g, end in enumerate(ends)
+        if groups[g] > 2
+        and len(text := engine.decode([full[end - groups[g] + 1]]).strip()) > 2
+        and text not in engine.decode(full[: end - groups[g] + 1])
+    )
+    work: Work = [
+        (None, ids[0], SamplingParams(max_new_tokens=24, stop=[stop]), 0),
+        ("a", ids[1], SamplingParams(max_new_tokens=24), 1),
+        (None, ids[2], SamplingParams(max_new_tokens=24), 2),
+        ("a", ids[1], SamplingParams(max_new_tokens=12), 3),  # a prefix-cache hit
+    ]
+    outs, _ = compare(smollm2_dir, work, {"a": adapter}, disk_cache_dir=str(tmp_path / "disk"))
+    assert engine.decode(outs[0]).endswith(stop) and len(outs[0]) < len(full)
+
+
+@pytest.mark.requires_bf16_kernels
+@pytest.mark.parametrize("fuse_layers", [True, False], ids=["fused", "layers"])
+def test_bf16_kernels_greedy_equal(
+    tiny_llama_dir: Path, tiny_adapters: dict[str, Path], tmp_path: Path, fuse_layers: bool
+) -> None:
+    """The verification rows through the CPU kernels (prefill-chunk attention, the last layer on k + 1 logits
+    rows a sequence, BGMV per row): a tiny model far from ties gives plain decoding's tokens."""
+    work = mixed_work(512, [*tiny_adapters, None], n=9, seed=13)
+    compare(
+        tiny_llama_dir,
+        work,
+        tiny_adapters,
+        dtype="bfloat16",
+        fuse_layers=fuse_layers,
+        block_size=16,
+        num_kv_blocks=256,
+        max_loras=2,
+        max_lora_rank=16,
+        disk_cache_dir=str(tmp_path / "disk"),
+        speculative_max_step_tokens=64,
+    )

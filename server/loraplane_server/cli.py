@@ -54,6 +54,20 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         choices=["auto", "torch", "cpu_kernel"],
         help="dense layers: auto uses the compiled CPU kernels (linear, fused norms, BGMV) on the CPU in bf16",
     )
+    p.add_argument(
+        "--speculative",
+        default="off",
+        choices=["off", "ngram"],
+        help="ngram: prompt-lookup speculative decoding by default (a request's 'speculative' field overrides "
+        "it); exact under greedy, the sampled distribution unchanged; off by itself in compute-bound steps",
+    )
+    p.add_argument("--speculative-k", type=int, default=4, help="most tokens a sequence proposes a step")
+    p.add_argument(
+        "--speculative-max-step-tokens",
+        type=int,
+        default=EngineConfig.speculative_max_step_tokens,
+        help="proposals only while a step holds fewer tokens than this (past it a step is compute-bound)",
+    )
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -76,6 +90,9 @@ def _config(a: argparse.Namespace) -> EngineConfig:
         kv_cache_bytes=int(a.kv_cache_gib * 2**30),
         attention_backend=a.attention_backend,
         layer_backend=a.layer_backend,
+        speculative=a.speculative,
+        speculative_k=a.speculative_k,
+        speculative_max_step_tokens=a.speculative_max_step_tokens,
     )
 
 
@@ -170,6 +187,9 @@ def _server_config(a: argparse.Namespace):  # noqa: ANN202 - imported lazily: ch
         disk_cache_dir=a.disk_cache_dir,
         attention_backend=a.attention_backend,
         layer_backend=a.layer_backend,
+        speculative=a.speculative,
+        speculative_k=a.speculative_k,
+        speculative_max_step_tokens=a.speculative_max_step_tokens,
     )
     return ServerConfig(
         engine=engine,

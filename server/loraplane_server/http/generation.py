@@ -83,6 +83,7 @@ class Generation:
         self._admitted = False
         self._start_failed = False
         self._closed = False
+        self._speculation = (0, 0, 0)  # tokens proposed, accepted, verifying passes (the latest output's)
 
     # lifecycle
     async def start(self) -> None:
@@ -151,6 +152,8 @@ class Generation:
             ttft,
             self.end_time - self.arrival,
         )
+        method = self.params.speculative or self.state.config.engine.speculative
+        self.state.metrics.record_speculation(self.adapter_id, method, *self._speculation)
 
     def _event(self, out: RequestOutput) -> TokenEvent:
         now = time.monotonic()
@@ -167,6 +170,7 @@ class Generation:
             self.first_token_time = self.first_token_time or now
         piece = out.delta_text  # held back by the engine until safe to show: the pieces add up to the final text
         self._pieces.append(piece)
+        self._speculation = (out.num_spec_proposed, out.num_spec_accepted, out.num_spec_steps)
         if out.finished:
             self.finish_reason, self.error, self.failure = out.finish_reason, out.error, out.failure
             self.end_time = now

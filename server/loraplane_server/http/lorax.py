@@ -78,6 +78,9 @@ class LoraxParameters(BaseModel):
     typical_p: float | None = Field(default=None, gt=0.0, le=1.0)
     best_of: int | None = Field(default=None, ge=1, le=1)
     watermark: bool = False
+    speculative: Literal["off", "ngram"] | None = Field(
+        default=None, description="loraplane extension: prompt-lookup speculative decoding; none: the server's default"
+    )
     details: bool = False
     decoder_input_details: bool = False
     return_k_alternatives: int | None = Field(default=None, ge=0, le=0)
@@ -208,6 +211,7 @@ async def _prepare(state: ServerState, body: GenerateRequest, request: Request) 
         stop=list(p.stop),
         ignore_eos=p.ignore_eos_token,
         logprobs=True,
+        speculative=p.speculative,
     )
     return Generation(state, "lorax", ids, params, adapter_id, arrival, prompt_checked=True), seed
 

@@ -48,6 +48,27 @@ class AdapterUsage(BoundedLabels[Usage]):
 
 
 @dataclass
+class SpecCounts:
+    proposed: int = 0
+    accepted: int = 0
+    steps: int = 0  # verification passes
+
+
+class AdapterSpeculation(BoundedLabels[dict[str, SpecCounts]]):
+    """Speculative tokens proposed and accepted per adapter and method, `max_labels` adapters at most
+    (ranked by proposed tokens)."""
+
+    def __init__(self, max_labels: int) -> None:
+        super().__init__(max_labels, dict)
+
+    def record(self, adapter: str, method: str, proposed: int, accepted: int, steps: int) -> None:
+        counts = self.value(adapter, proposed).setdefault(method, SpecCounts())
+        counts.proposed += proposed
+        counts.accepted += accepted
+        counts.steps += steps
+
+
+@dataclass
 class EngineSnapshot:
     """A consistent copy of the engine's state, taken on the engine thread (AsyncEngine.call)."""
 
@@ -140,6 +161,7 @@ class Metrics:
             "loraplane_adapter_load_seconds", "Adapter loads into host memory", buckets=LOAD_BUCKETS, registry=r
         )
         self.usage = AdapterUsage(max_adapter_labels)
+        self.speculation = AdapterSpeculation(max_adapter_labels)
         self.engine = EngineCollector(self)
         r.register(self.engine)
 
@@ -160,6 +182,11 @@ class Metrics:
             self.ttft.observe(ttft)
         self.e2e.observe(e2e)
         self.usage.record(adapter_id or self.base_label, num_prompt, num_generated)
+
+    def record_speculation(self, adapter_id: str | None, method: str, proposed: int, accepted: int, steps: int) -> None:
+        """A finished request's speculative decoding (nothing when it never verified a proposal)."""
+        if steps:
+            self.speculation.record(adapter_id or self.base_label, method, proposed, accepted, steps)
 
     def update(self, snap: EngineSnapshot) -> None:
         self.engine.snapshot = snap
@@ -218,6 +245,31 @@ class EngineCollector(Collector):
             generated.add_metric([label], usage.generated_tokens)
         yield prompt
         yield generated
+        yield from self._speculation()
+
+    def _speculation(self) -> Iterator[Metric]:
+        labels = ["adapter", "method"]
+        proposed = CounterMetricFamily(
+            "loraplane_spec_proposed_tokens", "Speculative tokens proposed, by adapter and method", labels=labels
+        )
+        accepted = CounterMetricFamily(
+            "loraplane_spec_accepted_tokens", "Speculative tokens accepted, by adapter and method", labels=labels
+        )
+        steps = CounterMetricFamily(
+            "loraplane_spec_verify_steps", "Passes that verified proposals, by adapter and method", labels=labels
+        )
+        mean = GaugeMetricFamily(
+            "loraplane_spec_mean_accepted_length",
+            "Proposals accepted per verifying pass (each pass also emits the model's own token)",
+            labels=labels,
+        )
+        for label, by_method in self.metrics.speculation.series():
+            for method, c in sorted(by_method.items()):
+                proposed.add_metric([label, method], c.proposed)
+                accepted.add_metric([label, method], c.accepted)
+                steps.add_metric([label, method], c.steps)
+                mean.add_metric([label, method], c.accepted / c.steps if c.steps else 0.0)
+        yield from (proposed, accepted, steps, mean)
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

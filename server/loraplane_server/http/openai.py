@@ -268,6 +268,7 @@ def make_generations(
                 stop=body.stop_list(),
                 ignore_eos=body.ignore_eos,
                 logprobs=logprobs,
+                speculative=body.speculative,
             )
             gens.append(Generation(state, api, ids, params, adapter_id, arrival, prompt_checked=True))
     return gens

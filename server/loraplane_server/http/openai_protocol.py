@@ -47,6 +47,9 @@ class SamplingFields(ValidText):
     ignore_eos: bool = Field(default=False, description="vLLM extension")
     user: str | None = Field(default=None, max_length=1024)
     logit_bias: dict[str, float] | None = Field(default=None, description="only an empty map is supported")
+    speculative: Literal["off", "ngram"] | None = Field(
+        default=None, description="loraplane extension: prompt-lookup speculative decoding; none: the server's default"
+    )
 
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
