@@ -61,6 +61,7 @@ bench: model
 	$(BIN)/python bench/linear.py
 	$(BIN)/python bench/attention.py
 	$(BIN)/python bench/routing.py
+	$(BIN)/python bench/speculative.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
