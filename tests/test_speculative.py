@@ -368,3 +368,22 @@ def test_bf16_kernels_greedy_equal(
         disk_cache_dir=str(tmp_path / "disk"),
         speculative_max_step_tokens=64,
     )
+
+
+def test_nonfinite_rows_drop_their_whole_sequence() -> None:
+    """A speculative sequence with a NaN in any of its k + 1 rows is set aside whole; the others keep their rows."""
+    from types import SimpleNamespace
+
+    from loraplane_server.model_runner import ModelRunner
+
+    plain, spec, other = (Sequence(f"r{i}", [1, 2, 3], SamplingParams()) for i in range(3))
+    spec.spec = SpecState(max_k=4, proposed=[5, 6])
+    for i, seq in enumerate((plain, spec, other)):
+        seq.block_table = [i]
+    logits = torch.arange(5 * 4, dtype=torch.float32).view(5, 4)  # rows: plain, spec x 3, other
+    logits[2, 1] = float("nan")
+    runner = SimpleNamespace(kv_caches=torch.ones(1, 2, 3, 1), nonfinite=[])
+    kept, seqs = ModelRunner._drop_nonfinite(runner, logits, [plain, spec, other])  # type: ignore[arg-type]
+    assert seqs == [plain, other] and runner.nonfinite == [spec]
+    assert torch.equal(kept, logits[[0, 4]])
+    assert runner.kv_caches[:, :, 1].eq(0).all() and runner.kv_caches[:, :, [0, 2]].eq(1).all()
