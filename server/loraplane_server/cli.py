@@ -144,7 +144,8 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
         "--torch-threads",
         type=int,
         default=0,
-        help="intra-op threads for the engine (0: torch's default; 1 avoids spin-waits on a busy shared CPU)",
+        help="intra-op threads for the engine (0: one per core, at most the cgroup's CPU limit rounded up; 1 avoids "
+        "spin-waits on a busy shared CPU)",
     )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
