@@ -166,6 +166,28 @@ __attribute__((always_inline)) inline __m256i silu_mul16(__m512 gate, __m512 up)
   const __m512 e = exp_clamped16(_mm512_sub_ps(_mm512_setzero_ps(), gate));
   return (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_div_ps(gate, _mm512_add_ps(_mm512_set1_ps(1.f), e)), up));
 }
+
+// The GEMMs' epilogue (linear_cpu.cpp, linear_int8_cpu.cpp): a tile of H rows of W by MT x 16 rows of x,
+// rounded(r, j) giving W row r's outputs for x rows 16 j.. as bf16 (each kernel's own sums, scales and bias).
+// GLU: rows H.. are the up rows of rows ..H, and the tile holds silu(gate) * up. Stored transposed, x row m
+// to out + m * so, its first nr of the H values.
+template <int H, int MT, bool GLU, class Rounded>
+__attribute__((always_inline)) inline void store_tile16(const Rounded& rounded, c10::BFloat16* out, int64_t so,
+                                                        int64_t rows, int64_t nr) {
+  alignas(64) uint16_t tile[H][MT * 16];
+#pragma GCC unroll 16
+  for (int r = 0; r < H; ++r)
+#pragma GCC unroll 4
+    for (int j = 0; j < MT; ++j) {
+      __m256i v = rounded(r, j);
+      if (GLU) v = silu_mul16(bf16x16_to_f32(v), bf16x16_to_f32(rounded(r + H, j)));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(&tile[r][j * 16]), v);
+    }
+  for (int64_t m = 0; m < rows; ++m) {
+    uint16_t* o = reinterpret_cast<uint16_t*>(out + m * so);
+    for (int64_t r = 0; r < nr; ++r) o[r] = tile[r][m];
+  }
+}
 #endif
 
 #ifdef LORAPLANE_AVX2
@@ -341,6 +363,28 @@ __attribute__((always_inline)) inline __m256 exp_clamped8(__m256 x) {
 __attribute__((always_inline)) inline __m128i silu_mul8(__m256 gate, __m256 up) {
   const __m256 e = exp_clamped8(_mm256_sub_ps(_mm256_setzero_ps(), gate));
   return f32x8_to_bf16(_mm256_mul_ps(_mm256_div_ps(gate, _mm256_add_ps(_mm256_set1_ps(1.f), e)), up));
+}
+
+// store_tile16's AVX2 twin, 8 x rows a vector: value(r, j) gives W row r's fp32 outputs for x rows 8 j..;
+// GLU: gate and up rounded to bf16 first (as the kernels leave them on their own), then silu(gate) * up.
+template <int H, int MT, bool GLU, class Value>
+__attribute__((always_inline)) inline void store_tile8(const Value& value, c10::BFloat16* out, int64_t so,
+                                                       int64_t rows, int64_t nr) {
+  alignas(32) uint16_t tile[H][MT * 8];
+  const auto rounded = [&](int r, int j) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(round_to_bf16_lanes(value(r, j)), 16));
+  };
+#pragma GCC unroll 16
+  for (int r = 0; r < H; ++r)
+#pragma GCC unroll 4
+    for (int j = 0; j < MT; ++j) {
+      const __m128i v = GLU ? silu_mul8(rounded(r, j), rounded(r + H, j)) : f32x8_to_bf16(value(r, j));
+      _mm_store_si128(reinterpret_cast<__m128i*>(&tile[r][j * 8]), v);
+    }
+  for (int64_t m = 0; m < rows; ++m) {
+    uint16_t* o = reinterpret_cast<uint16_t*>(out + m * so);
+    for (int64_t r = 0; r < nr; ++r) o[r] = tile[r][m];
+  }
 }
 
 }  // namespace avx2
