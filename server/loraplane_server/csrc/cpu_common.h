@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
@@ -36,6 +37,20 @@
 #endif
 
 namespace loraplane_cpu {
+
+// M rows of x four at a time, then the 1-3 left: f(std::integral_constant<int, MT>{}, m) for the MT rows from
+// row m (the few-rows linears' tiles are templates over MT).
+template <class F>
+__attribute__((always_inline)) inline void by_four_rows(int64_t M, const F& f) {
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) f(std::integral_constant<int, 4>{}, m);
+  switch (M - m) {
+    case 3: f(std::integral_constant<int, 3>{}, m); break;
+    case 2: f(std::integral_constant<int, 2>{}, m); break;
+    case 1: f(std::integral_constant<int, 1>{}, m); break;
+    default: break;
+  }
+}
 
 // body(begin, end) over [0, n) in one contiguous range per intra-op thread, the ranges of about
 // equal total cost (cost(i) >= 0), where at::parallel_for would cut them by count: the work items

@@ -431,14 +431,8 @@ void gemm_linear(BF* out, int64_t so, const BF* x, int64_t sx, const BF* w, cons
 // R rows of W against all M rows of x, four at a time.
 template <int R>
 inline void w_rows(BF* out, int64_t so, const BF* x, int64_t sx, const BF* w, int64_t M, int64_t K, const BF* bias) {
-  int64_t m = 0;
-  for (; m + 4 <= M; m += 4) tile<R, 4>(out + m * so, so, x + m * sx, sx, w, K, bias);
-  switch (M - m) {
-    case 3: tile<R, 3>(out + m * so, so, x + m * sx, sx, w, K, bias); break;
-    case 2: tile<R, 2>(out + m * so, so, x + m * sx, sx, w, K, bias); break;
-    case 1: tile<R, 1>(out + m * so, so, x + m * sx, sx, w, K, bias); break;
-    default: break;
-  }
+  loraplane_cpu::by_four_rows(
+      M, [&](auto mt, int64_t m) { tile<R, decltype(mt)::value>(out + m * so, so, x + m * sx, sx, w, K, bias); });
 }
 
 template <int R>

@@ -512,16 +512,9 @@ void few_rows_bf16(BF* out, int64_t so, const BF* x, int64_t sx, const Int8Rows&
   std::vector<uint16_t> xb(static_cast<size_t>(M * stride), 0);
   for (int64_t m = 0; m < M; ++m) widen_x_bf16(xb.data() + m * stride, x + m * sx, K);
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    int64_t m = 0;
-    for (; m + 4 <= M; m += 4) few_range_bf16<4>(out + m * so, so, xb.data() + m * stride, stride, W, begin, end);
-    BF* o = out + m * so;
-    const uint16_t* xm = xb.data() + m * stride;
-    switch (M - m) {
-      case 3: few_range_bf16<3>(o, so, xm, stride, W, begin, end); break;
-      case 2: few_range_bf16<2>(o, so, xm, stride, W, begin, end); break;
-      case 1: few_range_bf16<1>(o, so, xm, stride, W, begin, end); break;
-      default: break;
-    }
+    loraplane_cpu::by_four_rows(M, [&](auto mt, int64_t m) {
+      few_range_bf16<decltype(mt)::value>(out + m * so, so, xb.data() + m * stride, stride, W, begin, end);
+    });
   });
 }
 #endif
@@ -549,16 +542,9 @@ void few_rows_linear(BF* out, int64_t so, const BF* x, int64_t sx, const Int8Row
   for (int64_t m = 0; m < M; ++m)
     for (int64_t k = 0; k < K; ++k) xf[m * stride + k] = static_cast<float>(x[m * sx + k]);
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    int64_t m = 0;
-    for (; m + 4 <= M; m += 4) few_range<4>(out + m * so, so, xf.data() + m * stride, stride, W, begin, end);
-    BF* o = out + m * so;
-    const float* xm = xf.data() + m * stride;
-    switch (M - m) {
-      case 3: few_range<3>(o, so, xm, stride, W, begin, end); break;
-      case 2: few_range<2>(o, so, xm, stride, W, begin, end); break;
-      case 1: few_range<1>(o, so, xm, stride, W, begin, end); break;
-      default: break;
-    }
+    loraplane_cpu::by_four_rows(M, [&](auto mt, int64_t m) {
+      few_range<decltype(mt)::value>(out + m * so, so, xf.data() + m * stride, stride, W, begin, end);
+    });
   });
 }
 
