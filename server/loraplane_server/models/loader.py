@@ -3,8 +3,10 @@ the language model alone; a pre-quantized int8 checkpoint's projections as int8 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -53,7 +55,7 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, max_po
     cfg = read_config(model_dir)
     args = registry.model_args(cfg)
     is_multimodal = registry.family_of(cfg).language_model is not None
-    with torch.device(device):
+    with torch.device(device), _default_dtype(dtype):  # never a float32 copy of a bf16 model: half the peak
         model = registry.build(args, max_positions)
     params = dict(model.named_parameters())
     missing = _expected_keys(model)
@@ -132,6 +134,18 @@ class _Int8Modules:
     def log(self, model_name: str) -> None:
         if self.checkpoint is not None:
             log_load(model_name, self.checkpoint, self.modules, self.clamped)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Parameters created in dtype while the model is built (the rotary tables are computed in float32
+    whatever the default; the checkpoint's tensors are copied in, cast once)."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
 
 
 def _language_model_name(name: str) -> str | None:
