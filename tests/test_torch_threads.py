@@ -14,7 +14,7 @@ from engine_helpers import make_engine
 from loraplane_server.async_engine import AsyncEngine
 from loraplane_server.engine import LLMEngine
 from loraplane_server.sampling_params import SamplingParams
-from loraplane_server.torch_threads import DEFAULT_THREADS, engine_thread
+from loraplane_server.torch_threads import DEFAULT_THREADS, cpu_quota, default_threads, engine_thread
 
 
 def test_build_loads_and_steps_the_engine_on_one_thread(smollm2_dir: Path) -> None:
@@ -63,3 +63,32 @@ def test_build_failure_reaches_the_caller_and_ends_the_thread() -> None:
     for t in set(threading.enumerate()) - before:
         t.join(timeout=10)
         assert t.name != "engine-step" or not t.is_alive()
+
+
+@pytest.mark.parametrize(
+    ("files", "quota"),
+    [
+        ({"cpu.max": "max 100000\n"}, None),  # cgroup v2, no limit
+        ({"cpu.max": "200000 100000\n"}, 2.0),  # resources.limits.cpu: 2
+        ({"cpu.max": "150000 100000\n"}, 1.5),  # 1500m
+        ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None),  # cgroup v1, no limit
+        ({"cpu/cpu.cfs_quota_us": "50000\n", "cpu/cpu.cfs_period_us": "100000\n"}, 0.5),
+        ({}, None),  # no cgroup files at all
+        ({"cpu.max": "garbage"}, None),
+    ],
+)
+def test_cpu_quota_reads_both_cgroup_versions(tmp_path: Path, files: dict[str, str], quota: float | None) -> None:
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert cpu_quota(tmp_path) == quota
+
+
+def test_default_threads_follow_the_cpu_limit() -> None:
+    """A pod limited to 2 CPUs on a 64-core node runs 2 threads, 1500m runs 2, 500m runs 1; no limit, or a
+    limit above the cores, keeps torch's default."""
+    assert default_threads(64, 2.0) == 2
+    assert default_threads(64, 1.5) == 2
+    assert default_threads(64, 0.5) == 1
+    assert default_threads(8, None) == 8
+    assert default_threads(8, 16.0) == 8

@@ -37,7 +37,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         default="none",
         choices=["none", "int8"],
         help="int8: the decoder's linear layers as int8 weights (one scale per output channel), quantized at "
-        "load; adapters, activations and the KV cache keep --dtype",
+        "load; adapters, activations and the KV cache keep --dtype. A checkpoint that is int8 already "
+        "(compressed-tensors, GGUF Q8_0) is served as int8 either way",
     )
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -160,7 +161,8 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
         "--torch-threads",
         type=int,
         default=0,
-        help="intra-op threads for the engine (0: torch's default; 1 avoids spin-waits on a busy shared CPU)",
+        help="intra-op threads for the engine (0: one per core, at most the cgroup's CPU limit rounded up; 1 avoids "
+        "spin-waits on a busy shared CPU)",
     )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 

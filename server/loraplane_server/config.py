@@ -14,7 +14,8 @@ class EngineConfig:
     offline: bool = False  # the model cache (or local files) only: no download
     dtype: str = "auto"  # auto | bfloat16 | float16 | float32
     # none | int8: the decoder's linear layers (q, k, v, o, gate, up, down) as int8 weights with one scale per
-    # output channel, quantized at load; activations, LoRA, norms, the KV cache, embedding and lm_head keep dtype
+    # output channel, quantized at load; activations, LoRA, norms, the KV cache, embedding and lm_head keep dtype.
+    # A pre-quantized int8 checkpoint (models/quantized.py) is served as int8 whatever this says.
     quantization: str = "none"
     device: str = "cpu"
     block_size: int = 16

@@ -135,8 +135,8 @@ class LLMEngine:
         else:
             where = str(self.device)
         dtype = str(self.dtype).removeprefix("torch.")
-        if self.config.quantization != "none":
-            dtype += f" ({self.config.quantization} weights)"
+        if self.runner.model.int8:
+            dtype += " (int8 weights)"
         return f"{where}; {dtype}; {self.backends.describe(self.runner.model.fused_layers)}"
 
     # requests

@@ -4,16 +4,43 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
-# torch's own default (one per core), read when this module is first imported
-DEFAULT_THREADS = torch.get_num_threads()
+CGROUP = Path("/sys/fs/cgroup")
+
+
+def cpu_quota(root: Path = CGROUP) -> float | None:
+    """The CPUs this process's cgroup may use (its CFS quota / period: a Kubernetes CPU limit), or None where
+    there is no limit. cgroup v2's cpu.max ("max 100000" or "200000 100000"), else v1's cfs_quota_us."""
+    try:
+        quota, period = (root / "cpu.max").read_text().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    try:
+        quota_us = int((root / "cpu" / "cpu.cfs_quota_us").read_text())
+        period_us = int((root / "cpu" / "cpu.cfs_period_us").read_text())
+    except (OSError, ValueError):
+        return None
+    return quota_us / period_us if quota_us > 0 and period_us > 0 else None
+
+
+def default_threads(torch_default: int, quota: float | None) -> int:
+    """torch's default (a thread per core it may run on), at most the CPU quota rounded up: a pod limited to 2
+    CPUs on a 64-core node would otherwise start 64 threads, each region waiting on the ones CFS throttled."""
+    return torch_default if quota is None else max(1, min(torch_default, math.ceil(quota - 1e-9)))
+
+
+# read when this module is first imported
+DEFAULT_THREADS = default_threads(torch.get_num_threads(), cpu_quota())
 
 
 def engine_thread(threads: int = 0) -> None:
-    """The calling thread runs the engine's ops on `threads` threads (0: torch's default)."""
+    """The calling thread runs the engine's ops on `threads` threads (0: DEFAULT_THREADS)."""
     torch.set_num_threads(threads or DEFAULT_THREADS)
 
 

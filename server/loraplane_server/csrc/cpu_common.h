@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
@@ -36,6 +37,20 @@
 #endif
 
 namespace loraplane_cpu {
+
+// M rows of x four at a time, then the 1-3 left: f(std::integral_constant<int, MT>{}, m) for the MT rows from
+// row m (the few-rows linears' tiles are templates over MT).
+template <class F>
+__attribute__((always_inline)) inline void by_four_rows(int64_t M, const F& f) {
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) f(std::integral_constant<int, 4>{}, m);
+  switch (M - m) {
+    case 3: f(std::integral_constant<int, 3>{}, m); break;
+    case 2: f(std::integral_constant<int, 2>{}, m); break;
+    case 1: f(std::integral_constant<int, 1>{}, m); break;
+    default: break;
+  }
+}
 
 // body(begin, end) over [0, n) in one contiguous range per intra-op thread, the ranges of about
 // equal total cost (cost(i) >= 0), where at::parallel_for would cut them by count: the work items
@@ -165,6 +180,28 @@ __attribute__((always_inline)) inline __m512 exp_clamped16(__m512 x) {
 __attribute__((always_inline)) inline __m256i silu_mul16(__m512 gate, __m512 up) {
   const __m512 e = exp_clamped16(_mm512_sub_ps(_mm512_setzero_ps(), gate));
   return (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_div_ps(gate, _mm512_add_ps(_mm512_set1_ps(1.f), e)), up));
+}
+
+// The GEMMs' epilogue (linear_cpu.cpp, linear_int8_cpu.cpp): a tile of H rows of W by MT x 16 rows of x,
+// rounded(r, j) giving W row r's outputs for x rows 16 j.. as bf16 (each kernel's own sums, scales and bias).
+// GLU: rows H.. are the up rows of rows ..H, and the tile holds silu(gate) * up. Stored transposed, x row m
+// to out + m * so, its first nr of the H values.
+template <int H, int MT, bool GLU, class Rounded>
+__attribute__((always_inline)) inline void store_tile16(const Rounded& rounded, c10::BFloat16* out, int64_t so,
+                                                        int64_t rows, int64_t nr) {
+  alignas(64) uint16_t tile[H][MT * 16];
+#pragma GCC unroll 16
+  for (int r = 0; r < H; ++r)
+#pragma GCC unroll 4
+    for (int j = 0; j < MT; ++j) {
+      __m256i v = rounded(r, j);
+      if (GLU) v = silu_mul16(bf16x16_to_f32(v), bf16x16_to_f32(rounded(r + H, j)));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(&tile[r][j * 16]), v);
+    }
+  for (int64_t m = 0; m < rows; ++m) {
+    uint16_t* o = reinterpret_cast<uint16_t*>(out + m * so);
+    for (int64_t r = 0; r < nr; ++r) o[r] = tile[r][m];
+  }
 }
 #endif
 
@@ -341,6 +378,28 @@ __attribute__((always_inline)) inline __m256 exp_clamped8(__m256 x) {
 __attribute__((always_inline)) inline __m128i silu_mul8(__m256 gate, __m256 up) {
   const __m256 e = exp_clamped8(_mm256_sub_ps(_mm256_setzero_ps(), gate));
   return f32x8_to_bf16(_mm256_mul_ps(_mm256_div_ps(gate, _mm256_add_ps(_mm256_set1_ps(1.f), e)), up));
+}
+
+// store_tile16's AVX2 twin, 8 x rows a vector: value(r, j) gives W row r's fp32 outputs for x rows 8 j..;
+// GLU: gate and up rounded to bf16 first (as the kernels leave them on their own), then silu(gate) * up.
+template <int H, int MT, bool GLU, class Value>
+__attribute__((always_inline)) inline void store_tile8(const Value& value, c10::BFloat16* out, int64_t so,
+                                                       int64_t rows, int64_t nr) {
+  alignas(32) uint16_t tile[H][MT * 8];
+  const auto rounded = [&](int r, int j) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(round_to_bf16_lanes(value(r, j)), 16));
+  };
+#pragma GCC unroll 16
+  for (int r = 0; r < H; ++r)
+#pragma GCC unroll 4
+    for (int j = 0; j < MT; ++j) {
+      const __m128i v = GLU ? silu_mul8(rounded(r, j), rounded(r + H, j)) : f32x8_to_bf16(value(r, j));
+      _mm_store_si128(reinterpret_cast<__m128i*>(&tile[r][j * 8]), v);
+    }
+  for (int64_t m = 0; m < rows; ++m) {
+    uint16_t* o = reinterpret_cast<uint16_t*>(out + m * so);
+    for (int64_t r = 0; r < nr; ++r) o[r] = tile[r][m];
+  }
 }
 
 }  // namespace avx2

@@ -69,9 +69,8 @@ inline uint32_t load_u32(const void* p) {
 #endif
 
 #ifdef LORAPLANE_AVX512_BF16
-using loraplane_cpu::bf16x16_to_f32;
 using loraplane_cpu::load32_bf16;
-using loraplane_cpu::silu_mul16;
+using loraplane_cpu::store_tile16;
 using loraplane_cpu::transpose16;
 
 // One 32-wide slice of K: R rows of W against MT rows of x.
@@ -162,24 +161,12 @@ inline void gemm_tile(BF* out, int64_t so, int64_t rows, const uint32_t* xp, con
       for (int j = 0; j < MT; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], (__m512bh)xv[j], (__m512bh)b);
     }
   }
-  alignas(64) uint16_t tile[H][MT * 16];
   const auto rounded = [&](int r, int j) {  // acc + bias, rounded to bf16
     const BF* br = bias == nullptr ? nullptr : (GLU && r >= H ? bias + up / (2 * K2) + (r - H) : bias + r);
     const __m512 b = br != nullptr ? _mm512_set1_ps(static_cast<float>(*br)) : _mm512_setzero_ps();
     return (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[r][j], b));
   };
-#pragma GCC unroll 16
-  for (int r = 0; r < H; ++r)
-#pragma GCC unroll 4
-    for (int j = 0; j < MT; ++j) {
-      __m256i v = rounded(r, j);
-      if (GLU) v = silu_mul16(bf16x16_to_f32(v), bf16x16_to_f32(rounded(r + H, j)));
-      _mm256_store_si256(reinterpret_cast<__m256i*>(&tile[r][j * 16]), v);
-    }
-  for (int64_t m = 0; m < rows; ++m) {
-    uint16_t* o = reinterpret_cast<uint16_t*>(out + m * so);
-    for (int64_t r = 0; r < nr; ++r) o[r] = tile[r][m];
-  }
+  store_tile16<H, MT, GLU>(rounded, out, so, rows, nr);
 }
 
 // Rows n0..n1 of W against one packed chunk, NR rows of W at a time (single rows for the tail).
@@ -361,26 +348,11 @@ __attribute__((noinline)) void gemm_tile(BF* out, int64_t so, int64_t rows, cons
       for (int j = 0; j < MT; ++j) acc[r][j] = _mm256_fmadd_ps(xv[j], b, acc[r][j]);
     }
   }
-  alignas(32) uint16_t tile[H][MT * 8];
   const auto with_bias = [&](int r, int j) {  // acc + bias, in fp32
     const BF* br = bias == nullptr ? nullptr : (GLU && r >= H ? bias + up / (2 * K2) + (r - H) : bias + r);
     return br != nullptr ? _mm256_add_ps(acc[r][j], _mm256_set1_ps(static_cast<float>(*br))) : acc[r][j];
   };
-  // gate and up rounded to bf16 (the low half of each lane) and widened back, as linear_ leaves them
-  const auto rounded = [&](int r, int j) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(v2::round_to_bf16_lanes(with_bias(r, j)), 16));
-  };
-#pragma GCC unroll 16
-  for (int r = 0; r < H; ++r)
-#pragma GCC unroll 4
-    for (int j = 0; j < MT; ++j) {
-      const __m128i v = GLU ? v2::silu_mul8(rounded(r, j), rounded(r + H, j)) : v2::f32x8_to_bf16(with_bias(r, j));
-      _mm_store_si128(reinterpret_cast<__m128i*>(&tile[r][j * 8]), v);
-    }
-  for (int64_t m = 0; m < rows; ++m) {
-    uint16_t* o = reinterpret_cast<uint16_t*>(out + m * so);
-    for (int64_t r = 0; r < nr; ++r) o[r] = tile[r][m];
-  }
+  v2::store_tile8<H, MT, GLU>(with_bias, out, so, rows, nr);
 }
 
 // Rows n..n + count of W (GLU: gate rows, with their up rows) against one panel, in tiles of NR rows
@@ -459,14 +431,8 @@ void gemm_linear(BF* out, int64_t so, const BF* x, int64_t sx, const BF* w, cons
 // R rows of W against all M rows of x, four at a time.
 template <int R>
 inline void w_rows(BF* out, int64_t so, const BF* x, int64_t sx, const BF* w, int64_t M, int64_t K, const BF* bias) {
-  int64_t m = 0;
-  for (; m + 4 <= M; m += 4) tile<R, 4>(out + m * so, so, x + m * sx, sx, w, K, bias);
-  switch (M - m) {
-    case 3: tile<R, 3>(out + m * so, so, x + m * sx, sx, w, K, bias); break;
-    case 2: tile<R, 2>(out + m * so, so, x + m * sx, sx, w, K, bias); break;
-    case 1: tile<R, 1>(out + m * so, so, x + m * sx, sx, w, K, bias); break;
-    default: break;
-  }
+  loraplane_cpu::by_four_rows(
+      M, [&](auto mt, int64_t m) { tile<R, decltype(mt)::value>(out + m * so, so, x + m * sx, sx, w, K, bias); });
 }
 
 template <int R>

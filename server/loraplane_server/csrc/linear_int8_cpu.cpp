@@ -93,9 +93,8 @@ struct Int8Rows {
 #endif
 
 #ifdef LORAPLANE_AVX512_BF16
-using loraplane_cpu::bf16x16_to_f32;
 using loraplane_cpu::load16_bf16_as_f32;
-using loraplane_cpu::silu_mul16;
+using loraplane_cpu::store_tile16;
 using loraplane_cpu::transpose16;
 
 // ---- the few-rows path's vector layer: 16 fp32 lanes ----
@@ -203,7 +202,6 @@ inline void gemm_tile(BF* out, int64_t so, int64_t rows, const uint32_t* xp, con
     for (int r = 0; r < NR; ++r) q[r] = load_u32(row(r) + 4 * kq);
     vnni_step<MT, NR>(acc, xp + kq * MT * 16, q);
   }
-  alignas(64) uint16_t tile[H][MT * 16];
   const auto rounded = [&](int r, int j) {  // (acc - 128 wsum) s_x scale + bias, rounded to bf16
     const int64_t i = GLU && r >= H ? W.up_rows + r - H : r;
     const __m512 s = _mm512_mul_ps(_mm512_loadu_ps(sx + j * 16), _mm512_set1_ps(W.scale[i]));
@@ -211,18 +209,7 @@ inline void gemm_tile(BF* out, int64_t so, int64_t rows, const uint32_t* xp, con
     const __m512i a = _mm512_sub_epi32(acc[r][j], _mm512_set1_epi32(128 * W.wsum[i]));
     return (__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(_mm512_cvtepi32_ps(a), s, b));
   };
-#pragma GCC unroll 16
-  for (int r = 0; r < H; ++r)
-#pragma GCC unroll 4
-    for (int j = 0; j < MT; ++j) {
-      __m256i v = rounded(r, j);
-      if (GLU) v = silu_mul16(bf16x16_to_f32(v), bf16x16_to_f32(rounded(r + H, j)));
-      _mm256_store_si256(reinterpret_cast<__m256i*>(&tile[r][j * 16]), v);
-    }
-  for (int64_t m = 0; m < rows; ++m) {
-    uint16_t* o = reinterpret_cast<uint16_t*>(out + m * so);
-    for (int64_t r = 0; r < nr; ++r) o[r] = tile[r][m];
-  }
+  store_tile16<H, MT, GLU>(rounded, out, so, rows, nr);
 }
 
 // The tile shapes per chunk height: MT zmm of 16 rows of x by NR rows of W (MT x NR + MT + 1 of 32
@@ -357,28 +344,13 @@ __attribute__((noinline)) void gemm_tile(BF* out, int64_t so, int64_t rows, cons
     for (int r = 0; r < NR; ++r) q[r] = load_u32(row(r) + 4 * kq);
     madd_step<MT, NR>(acc, xp + kq * 2 * MT * 8, q);
   }
-  alignas(32) uint16_t tile[H][MT * 8];
   const auto value = [&](int r, int j) {  // acc s_x scale + bias, in fp32
     const int64_t i = GLU && r >= H ? W.up_rows + r - H : r;
     const __m256 s = _mm256_mul_ps(_mm256_loadu_ps(sx + j * 8), _mm256_set1_ps(W.scale[i]));
     const __m256 b = _mm256_set1_ps(W.bias != nullptr ? static_cast<float>(W.bias[i]) : 0.f);
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][j]), s, b);
   };
-  // gate and up rounded to bf16 (the low half of each lane) and widened back, as linear_int8_ leaves them
-  const auto rounded = [&](int r, int j) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(v2::round_to_bf16_lanes(value(r, j)), 16));
-  };
-#pragma GCC unroll 16
-  for (int r = 0; r < H; ++r)
-#pragma GCC unroll 4
-    for (int j = 0; j < MT; ++j) {
-      const __m128i v = GLU ? v2::silu_mul8(rounded(r, j), rounded(r + H, j)) : v2::f32x8_to_bf16(value(r, j));
-      _mm_store_si128(reinterpret_cast<__m128i*>(&tile[r][j * 8]), v);
-    }
-  for (int64_t m = 0; m < rows; ++m) {
-    uint16_t* o = reinterpret_cast<uint16_t*>(out + m * so);
-    for (int64_t r = 0; r < nr; ++r) o[r] = tile[r][m];
-  }
+  v2::store_tile8<H, MT, GLU>(value, out, so, rows, nr);
 }
 
 template <int MT>
@@ -540,16 +512,9 @@ void few_rows_bf16(BF* out, int64_t so, const BF* x, int64_t sx, const Int8Rows&
   std::vector<uint16_t> xb(static_cast<size_t>(M * stride), 0);
   for (int64_t m = 0; m < M; ++m) widen_x_bf16(xb.data() + m * stride, x + m * sx, K);
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    int64_t m = 0;
-    for (; m + 4 <= M; m += 4) few_range_bf16<4>(out + m * so, so, xb.data() + m * stride, stride, W, begin, end);
-    BF* o = out + m * so;
-    const uint16_t* xm = xb.data() + m * stride;
-    switch (M - m) {
-      case 3: few_range_bf16<3>(o, so, xm, stride, W, begin, end); break;
-      case 2: few_range_bf16<2>(o, so, xm, stride, W, begin, end); break;
-      case 1: few_range_bf16<1>(o, so, xm, stride, W, begin, end); break;
-      default: break;
-    }
+    loraplane_cpu::by_four_rows(M, [&](auto mt, int64_t m) {
+      few_range_bf16<decltype(mt)::value>(out + m * so, so, xb.data() + m * stride, stride, W, begin, end);
+    });
   });
 }
 #endif
@@ -577,16 +542,9 @@ void few_rows_linear(BF* out, int64_t so, const BF* x, int64_t sx, const Int8Row
   for (int64_t m = 0; m < M; ++m)
     for (int64_t k = 0; k < K; ++k) xf[m * stride + k] = static_cast<float>(x[m * sx + k]);
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    int64_t m = 0;
-    for (; m + 4 <= M; m += 4) few_range<4>(out + m * so, so, xf.data() + m * stride, stride, W, begin, end);
-    BF* o = out + m * so;
-    const float* xm = xf.data() + m * stride;
-    switch (M - m) {
-      case 3: few_range<3>(o, so, xm, stride, W, begin, end); break;
-      case 2: few_range<2>(o, so, xm, stride, W, begin, end); break;
-      case 1: few_range<1>(o, so, xm, stride, W, begin, end); break;
-      default: break;
-    }
+    loraplane_cpu::by_four_rows(M, [&](auto mt, int64_t m) {
+      few_range<decltype(mt)::value>(out + m * so, so, xf.data() + m * stride, stride, W, begin, end);
+    });
   });
 }
 

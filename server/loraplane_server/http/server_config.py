@@ -53,7 +53,7 @@ class ServerConfig:
     shutdown_grace_s: float = 30.0
     metrics_top_adapters: int = 100  # adapters with their own usage label; the rest are "__other__"
     max_choices: int = 16  # OpenAI n * number of prompts
-    torch_threads: int = 0  # intra-op threads for the engine; 0: torch's default
+    torch_threads: int = 0  # intra-op threads for the engine; 0: torch_threads.DEFAULT_THREADS (cgroup-capped)
     log_level: str = "info"
 
     def __post_init__(self) -> None:

@@ -65,6 +65,8 @@ class ProjectionLinear(nn.Module):
         # int8 weights (quantize_int8): weight is then int8 and these its per-channel scales and row sums
         self.weight_scale: torch.Tensor | None = None
         self.weight_sum: torch.Tensor | None = None
+        # a pre-quantized checkpoint's int8 projections, by name, until finish_load assembles them
+        self._int8_parts: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @property
     def int8(self) -> bool:
@@ -72,10 +74,44 @@ class ProjectionLinear(nn.Module):
 
     def quantize_int8(self) -> None:
         """The weight as int8 with a scale per output channel (layers/quant.py), once, after loading; the
-        float copy is freed."""
+        float copy is freed. A weight that is int8 already (a pre-quantized checkpoint) stays as it is."""
+        if self.int8:
+            return
         q, scale, wsum = quantize_int8(self.weight.data)
-        self.weight = nn.Parameter(q, requires_grad=False)
-        self.weight_scale, self.weight_sum = scale, wsum
+        self._set_int8(q, scale)
+
+    def _set_int8(self, q: torch.Tensor, scale: torch.Tensor) -> None:
+        device = self.weight.device
+        self.weight = nn.Parameter(q.to(device), requires_grad=False)
+        self.weight_scale = scale.to(device=device, dtype=torch.float32)
+        self.weight_sum = self.weight.data.sum(dim=1, dtype=torch.int32)
+
+    def load_int8(self, name: str, q: torch.Tensor, scale: torch.Tensor) -> None:
+        """Projection `name`'s int8 weight [rows, K] and per-channel scale [rows] from a pre-quantized checkpoint
+        (models/quantized.py); held until finish_load, once the checkpoint has been read."""
+        lo, hi = self.slices[name]
+        if tuple(q.shape) != (hi - lo, self.in_features) or tuple(scale.shape) != (hi - lo,):
+            raise ValueError(
+                f"{name}: int8 weight {tuple(q.shape)} with scale {tuple(scale.shape)}, expected "
+                f"({hi - lo}, {self.in_features}) with ({hi - lo},)"
+            )
+        self._int8_parts[name] = (q, scale)
+
+    def finish_load(self) -> None:
+        """Assemble the int8 projections load_int8 was given into one int8 weight. A merged layer whose
+        checkpoint quantized some of its projections only gets the others quantized per channel too (one
+        weight, one dtype)."""
+        if not self._int8_parts:
+            return
+        q = torch.empty(self.out_features, self.in_features, dtype=torch.int8)
+        scale = torch.empty(self.out_features, dtype=torch.float32)
+        for name, (lo, hi) in self.slices.items():
+            part = self._int8_parts.get(name)
+            if part is None:
+                part = quantize_int8(self.weight.data[lo:hi].cpu())[:2]
+            q[lo:hi], scale[lo:hi] = part
+        self._int8_parts = {}
+        self._set_int8(q, scale)
 
     def load(self, name: str, part: str, tensor: torch.Tensor) -> None:
         """Copy a checkpoint tensor (part 'weight' or 'bias') into projection `name`'s slice."""

@@ -86,12 +86,16 @@ def check_config(path: Path) -> None:
         raise ModelSourceError(f"config.json: not valid JSON ({exc})") from exc
     if not isinstance(config, dict) or not config.get("model_type"):
         raise NotServable("config.json: no model_type (expected a Hugging Face transformers model config)")
+    from loraplane_server.models.quantized import UnsupportedQuantizationError, checkpoint_quantization
     from loraplane_server.models.registry import UnsupportedModelError, family_of
 
     try:
         family_of(config)
+        checkpoint_quantization(config)
     except UnsupportedModelError as exc:
         raise NotServable(f"config.json: {exc}") from exc
+    except UnsupportedQuantizationError as exc:
+        raise NotServable(str(exc)) from exc
 
 
 def _shard_keys(path: Path) -> set[str]:

@@ -218,6 +218,11 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, ProjectionLinear):
                 module.quantize_int8()
 
+    @property
+    def int8(self) -> bool:
+        """Whether the decoder's projections are int8 (quantized at load, or a pre-quantized checkpoint)."""
+        return any(isinstance(m, ProjectionLinear) and m.int8 for m in self.modules())
+
     def use_backends(self, backends: Backends) -> None:
         """Hands the backends resolved once at engine start (backends.py) to every layer: from then on the
         layers read them from themselves, never from a step's batch."""
