@@ -195,6 +195,7 @@ def test_defaulting_fills_what_the_operator_relies_on():
         ("BaseModelServer", {"port": 70000}),
         ("BaseModelServer", {"engine": {"dtype": "int8"}}),
         ("BaseModelServer", {"engine": {"quantization": "int4"}}),
+        ("BaseModelServer", {"engine": {"speculative": "draft"}}),
         ("BaseModelServer", {"engine": {"hostCacheBytes": "lots"}}),
         ("BaseModelServer", {"resources": {"requests": {"memory": "16 gigs"}}}),
         ("BaseModelServer", {"autoscaling": {"kind": "vpa"}}),

@@ -84,7 +84,7 @@ def test_deployment_with_everything():
         "adminTokenSecretRef": {"name": "admin", "key": "tok"},
         "env": [{"name": "HF_HUB_OFFLINE", "value": "1"}],
         "serviceAccountName": "reader",
-        "engine": {"quantization": "int8", "dtype": "bfloat16"},
+        "engine": {"quantization": "int8", "dtype": "bfloat16", "speculative": "ngram"},
     }
     dep = builders.get_deployment(bms(**spec))
     pod = dep["spec"]["template"]["spec"]
@@ -93,7 +93,7 @@ def test_deployment_with_everything():
     assert ctr["args"][:6] == ["--model", "/models/llama", "--host", "$(POD_IP)", "--port", "9000"]
     assert ctr["args"][-2:] == ["--log-level", "debug"]
     pairs = dict(zip(ctr["args"][:-2:2], ctr["args"][1:-2:2], strict=True))
-    assert pairs["--quantization"] == "int8" and pairs["--dtype"] == "bfloat16"
+    assert pairs["--quantization"] == "int8" and pairs["--dtype"] == "bfloat16" and pairs["--speculative"] == "ngram"
     assert ctr["resources"] == {"limits": {"cpu": 4}}  # no GPU limit for gpus: 0
     assert {"name": "LORAPLANE_ADMIN_TOKEN", "valueFrom": {"secretKeyRef": {"name": "admin", "key": "tok"}}} in ctr[
         "env"

@@ -35,6 +35,7 @@ ENGINE_FLAGS = {
     "diskCacheBytes": "--disk-cache-bytes",
     "dtype": "--dtype",
     "quantization": "--quantization",
+    "speculative": "--speculative",
     "maxQueue": "--max-queue",
 }
 # spec fields that do not change the pod template (scaling is not a new configuration)
