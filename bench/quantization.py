@@ -32,15 +32,16 @@ from multi_lora import (
     QUICK,
     Workload,
     adapter_id,
+    engine_config,
     make_requests,
     make_template,
     run_ours,
+    target,
     warm_adapters,
     write_variants,
 )
 
 from loraplane_server.builtin import resolve_model
-from loraplane_server.config import EngineConfig
 from loraplane_server.engine import LLMEngine
 from loraplane_server.layers.linear import ProjectionLinear
 
@@ -52,19 +53,9 @@ MODES = ("none", "int8")
 
 
 def make_engine(quantization: str, w: Workload, tmp: Path) -> LLMEngine:
-    return LLMEngine(
-        EngineConfig(
-            model="smollm2-135m",
-            dtype="auto",
-            quantization=quantization,
-            max_num_seqs=w.batch,
-            max_loras=w.num_adapters,
-            max_lora_rank=w.max_lora_rank,
-            kv_cache_bytes=1 << 30,
-            host_cache_bytes=4 << 30,
-            disk_cache_dir=str(tmp / f"dc-{quantization}"),
-        )
-    )
+    """The multi-adapter workload's engine (every adapter a device slot) with the given quantization."""
+    config = engine_config(replace(w, max_loras=w.num_adapters), tmp, quantization, 1 << 30)
+    return LLMEngine(replace(config, quantization=quantization))
 
 
 def weight_bytes(engine: LLMEngine) -> dict[str, int]:
@@ -104,11 +95,6 @@ def measure(engines: dict[str, LLMEngine], w: Workload, ew: EngineWorkload, roun
         mode: {name: {"tokens_per_s": statistics.median(xs), "runs": xs} for name, xs in by.items()}
         for mode, by in raw.items()
     }
-
-
-def target(value: float, bound: float, at_least: bool) -> dict:
-    met = value >= bound if at_least else value <= bound
-    return {"target": f"{'>=' if at_least else '<='} {bound}", "value": value, "met": met}
 
 
 def plot(result: dict, path: Path) -> str | None:
