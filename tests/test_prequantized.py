@@ -7,7 +7,6 @@ token, the Q8_0 model's perplexity against bf16's, and the formats the engine re
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +15,7 @@ import torch
 from engine_helpers import make_engine
 from safetensors.torch import load_file, save_file
 from test_multi_lora_peft import run_mixed
+from test_quantization import mixed_work
 
 from lora_helpers import ADAPTER_SPECS, make_peft_adapter, peft_greedy
 from loraplane_server.config import EngineConfig
@@ -232,12 +232,8 @@ def test_compressed_tensors_engine_matches_peft_on_the_decompressed_model(tiny_l
         for i, (name, spec) in enumerate(ADAPTER_SPECS.items())
     }
     vocab = json.loads((tiny_llama_dir / "config.json").read_text())["vocab_size"]
-    rng = random.Random(7)
     names: list[str | None] = [*adapters, None]
-    work = []
-    for i in range(12):
-        prompt = [rng.randrange(3, vocab) for _ in range(rng.randrange(3, 30))]
-        work.append((names[i % len(names)], prompt, rng.randrange(4, 12), i // 3))
+    work = mixed_work(vocab, names, 7)
     engine = make_engine(
         checkpoint, block_size=4, num_kv_blocks=128, max_loras=4, max_lora_rank=16,
         disk_cache_dir=str(tmp_path / "disk-cache"),

@@ -59,6 +59,17 @@ def dequantized_copy(model_dir: Path, out: Path) -> Path:
     return out
 
 
+def mixed_work(vocab: int, names: list[str | None], seed: int) -> list[tuple[str | None, list[int], int, int]]:
+    """12 requests for run_mixed: random prompts of 3-29 tokens, 4-11 new tokens, adapters (None: the base
+    model) in turn, three joining per step."""
+    rng = random.Random(seed)
+    work = []
+    for i in range(12):
+        prompt = [rng.randrange(3, vocab) for _ in range(rng.randrange(3, 30))]
+        work.append((names[i % len(names)], prompt, rng.randrange(4, 12), i // 3))
+    return work
+
+
 def test_int8_engine_matches_peft_on_the_dequantized_model(tiny_llama_dir: Path, tmp_path: Path) -> None:
     """fp32 activations (the torch int8 path): a mixed batch of adapters of different ranks and base requests
     gives, token for token, what PEFT gives on the dequantized checkpoint, each adapter alone."""
@@ -68,12 +79,8 @@ def test_int8_engine_matches_peft_on_the_dequantized_model(tiny_llama_dir: Path,
         for i, (name, spec) in enumerate(ADAPTER_SPECS.items())
     }
     vocab = json.loads((tiny_llama_dir / "config.json").read_text())["vocab_size"]
-    rng = random.Random(5)
     names: list[str | None] = [*adapters, None]
-    work = []
-    for i in range(12):
-        prompt = [rng.randrange(3, vocab) for _ in range(rng.randrange(3, 30))]
-        work.append((names[i % len(names)], prompt, rng.randrange(4, 12), i // 3))
+    work = mixed_work(vocab, names, 5)
     engine = make_engine(
         tiny_llama_dir, quantization="int8", block_size=4, num_kv_blocks=128, max_loras=4, max_lora_rank=16,
         disk_cache_dir=str(tmp_path / "disk-cache"),
