@@ -44,11 +44,14 @@ class EngineConfig:
     # CPU decoder layer (csrc/decoder_layer_cpu.cpp, same bits) in the families whose layers it computes;
     # off: the Python layers, the same kernels one by one
     fuse_layers: bool = True
-    # speculative decoding (speculative.py): off | ngram (prompt lookup), the default of requests that do not
-    # choose (SamplingParams.speculative); at most speculative_k proposals a sequence and step, and proposals
-    # only while a step holds fewer than speculative_max_step_tokens tokens (past that a step is compute-bound
-    # on this CPU, bench/speculative.py, and verifying costs more than it saves)
+    # speculative decoding (speculative.py): off | ngram (prompt lookup) | draft (draft_model proposes), the
+    # default of requests that do not choose (SamplingParams.speculative); at most speculative_k proposals a
+    # sequence and step, and proposals only while a step holds fewer than speculative_max_step_tokens tokens
+    # (past that a step is compute-bound on this CPU, bench/speculative.py, and verifying costs more than it saves)
     speculative: str = "off"
+    # a smaller model with the target's tokenizer (same sources as `model`) for speculative="draft": loaded next
+    # to the target, run without adapters, its KV cache in the target's blocks (draft.py); None: no draft method
+    draft_model: str | None = None
     speculative_k: int = 4
     speculative_max_step_tokens: int = 32
 
@@ -71,8 +74,10 @@ class EngineConfig:
             raise ValueError(f"layer_backend={self.layer_backend!r}: expected auto, torch or cpu_kernel")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ValueError("num_kv_blocks must be >= 2")
-        if self.speculative not in ("off", "ngram"):
-            raise ValueError(f"speculative={self.speculative!r}: expected off or ngram")
+        if self.speculative not in ("off", "ngram", "draft"):
+            raise ValueError(f"speculative={self.speculative!r}: expected off, ngram or draft")
+        if self.speculative == "draft" and not self.draft_model:
+            raise ValueError("speculative=draft needs a draft_model (--draft-model)")
         if self.speculative_k < 1 or self.speculative_max_step_tokens < 1:
             raise ValueError("speculative_k and speculative_max_step_tokens must be >= 1")
         if not isinstance(self.fuse_layers, bool):

@@ -30,7 +30,8 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: bool = False
-    speculative: str | None = None  # off | ngram (prompt-lookup speculative decoding); None: the server's default
+    # off | ngram (prompt lookup) | draft (the server's draft model) speculative decoding; None: the server's default
+    speculative: str | None = None
 
     def __post_init__(self) -> None:
         self._check()
@@ -52,8 +53,10 @@ class SamplingParams:
         for name, ok, why in checks:
             if not ok:
                 raise InvalidParameterError(f"{name}={getattr(self, name)!r} {why}", param=name)
-        if self.speculative not in (None, "off", "ngram"):
-            raise InvalidParameterError(f"speculative={self.speculative!r} must be off or ngram", param="speculative")
+        if self.speculative not in (None, "off", "ngram", "draft"):
+            raise InvalidParameterError(
+                f"speculative={self.speculative!r} must be off, ngram or draft", param="speculative"
+            )
         if any(not s for s in self.stop):
             raise InvalidParameterError("stop strings must not be empty", param="stop")
 
