@@ -84,6 +84,16 @@ def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_adapters(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Two PEFT adapters on tiny_llama_dir (q/v rank 4; every projection rank 8), for the speculative tests."""
+    from lora_helpers import ADAPTER_SPECS, make_peft_adapter
+
+    tmp = tmp_path_factory.mktemp("spec-adapters")
+    names = ["qv-r4", "all-r8"]
+    return {n: make_peft_adapter(tiny_llama_dir, tmp / n, seed=i, **ADAPTER_SPECS[n]) for i, n in enumerate(names)}
+
+
+@pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     return resolve_model("smollm2-135m")
 

@@ -10,7 +10,9 @@ import json
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -18,6 +20,7 @@ from loraplane_server import cpu_features
 from loraplane_server.backends import resolve_backends
 from loraplane_server.block_manager import BlockManager
 from loraplane_server.config import EngineConfig
+from loraplane_server.draft import DraftModel, DraftRun, check_vocabulary
 from loraplane_server.errors import (
     EmptyPromptError,
     InvalidPromptError,
@@ -34,13 +37,14 @@ from loraplane_server.lora.slot_table import SlotTable
 from loraplane_server.lora.slots import LoRASlots
 from loraplane_server.model_runner import ModelRunner, kv_block_bytes
 from loraplane_server.model_store import resolve_model
+from loraplane_server.models.args import ModelArgs
 from loraplane_server.models.loader import load_model, read_config
-from loraplane_server.models.registry import max_context
+from loraplane_server.models.registry import max_context, model_args
 from loraplane_server.request_output import RequestOutput as RequestOutput  # its home before; importers keep it
 from loraplane_server.sampler import make_generator
 from loraplane_server.sampling_params import SamplingParams
 from loraplane_server.scheduler import Scheduler
-from loraplane_server.sequence import FinishReason, Sequence
+from loraplane_server.sequence import FinishReason, Sequence, SequenceStatus
 from loraplane_server.speculative import SpecState, cap_proposal, spare_tokens
 from loraplane_server.user_cache import cache_root
 
@@ -71,6 +75,18 @@ class LLMEngine:
         self.model_dir = resolve_model(config, on_phase)  # downloads into the model cache, with progress
         hf_config = read_config(self.model_dir)
         self.max_model_len = min(config.max_model_len or 1 << 30, max_context(hf_config))  # checks the type
+        tokenizer: Any = None  # the model's (a transformers tokenizer), loaded early to check a draft's against
+        draft_dir: Path | None = None
+        draft_args: ModelArgs | None = None
+        self.draft_max_len = self.max_model_len
+        if config.draft_model:  # resolved and checked against the model's tokenizer before any weight loads
+            phase("resolving the draft model")
+            draft_dir = resolve_model(replace(config, model=config.draft_model), on_phase, flag="--draft-model")
+            draft_config = read_config(draft_dir)
+            draft_args = model_args(draft_config)
+            self.draft_max_len = min(self.max_model_len, max_context(draft_config))
+            tokenizer = _load_tokenizer(self.model_dir)
+            check_vocabulary(tokenizer, _load_tokenizer(draft_dir), model_args(hf_config), draft_args)
         if self.device.type == "cpu" and {config.attention_backend, config.layer_backend} & {"auto", "cpu_kernel"}:
             phase("building the CPU kernels")  # a cache hit on every start but a machine's first
             cpu_kernels.load()
@@ -80,9 +96,10 @@ class LLMEngine:
             phase("quantizing the weights to int8")
             model.quantize_int8()
         phase("allocating the KV cache and adapter slots")
-        num_blocks = config.num_kv_blocks or max(
-            2, config.kv_cache_bytes // kv_block_bytes(model, config.block_size, self.dtype)
-        )
+        block_bytes = kv_block_bytes(model.args, config.block_size, self.dtype)
+        if draft_args is not None:  # the draft's K/V lives in the same blocks: each block holds both
+            block_bytes += kv_block_bytes(draft_args, config.block_size, self.dtype)
+        num_blocks = config.num_kv_blocks or max(2, config.kv_cache_bytes // block_bytes)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.adapters = AdapterManager(
             model.args,
@@ -112,9 +129,26 @@ class LLMEngine:
             self.backends,
             self.lora_slots,
         )
+        self.draft: DraftModel | None = None
+        if draft_dir is not None:
+            phase("loading the draft model")
+            draft = load_model(draft_dir, self.dtype, self.device, self.draft_max_len)
+            if config.quantization == "int8":
+                draft.quantize_int8()
+            self.draft = DraftModel(
+                draft,
+                draft_dir,
+                self.draft_max_len,
+                num_blocks,
+                config.block_size,
+                self.dtype,
+                self.device,
+                self.backends,
+                model.args.vocab_size,
+            )
         log.info("engine: %s", self.describe())
         phase("loading the tokenizer")
-        self.tokenizer = _load_tokenizer(self.model_dir)
+        self.tokenizer = tokenizer if draft_dir is not None else _load_tokenizer(self.model_dir)
         self.eos_token_ids = _eos_ids(self.model_dir, hf_config)
         self.requests: dict[str, Sequence] = {}  # unfinished requests; each holds its own state
         self.orchestrator = AdapterOrchestrator(
@@ -137,7 +171,8 @@ class LLMEngine:
         dtype = str(self.dtype).removeprefix("torch.")
         if self.runner.model.int8:
             dtype += " (int8 weights)"
-        return f"{where}; {dtype}; {self.backends.describe(self.runner.model.fused_layers)}"
+        draft = f"; {self.draft.describe()}" if self.draft is not None else ""
+        return f"{where}; {dtype}; {self.backends.describe(self.runner.model.fused_layers)}{draft}"
 
     # requests
     def add_request(
@@ -151,6 +186,11 @@ class LLMEngine:
         """Queue a request; its id. Raises the request's typed error (an EngineError). prompt_checked:
         the caller ran check_prompt on these very ids (the HTTP API does, before it builds a request)."""
         params = params or SamplingParams()
+        method = params.speculative or self.config.speculative
+        if method == "draft" and self.draft is None:
+            raise InvalidRequestError(
+                "speculative='draft' needs a server started with a draft model (--draft-model)", param="speculative"
+            )
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidPromptError(f"{self.model_dir} has no tokenizer: send token ids", param="prompt")
@@ -163,8 +203,8 @@ class LLMEngine:
             self.adapters.request(adapter_id)  # raises UnknownAdapterError
         seq = Sequence(request_id, ids, params, adapter_id)
         seq.generator = make_generator(params.seed, self.device)
-        if (params.speculative or self.config.speculative) == "ngram":
-            seq.spec = SpecState(max_k=self.config.speculative_k)
+        if method in ("ngram", "draft"):
+            seq.spec = SpecState(max_k=self.config.speculative_k, method=method)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
         return request_id
@@ -214,11 +254,12 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         outputs, self._aborted = self._aborted, []
         outputs += self.orchestrator.poll()
-        proposing = self._propose()
+        proposing, catching_up = self._propose()
         plan = self.scheduler.schedule()
         self.adapters.stats.hits["device"] += plan.slot_hits
         outputs += self.orchestrator.load_slots(plan.slot_loads)
         scheduled = [(s, n) for s, n in plan.scheduled if not s.is_finished]
+        self._draft_proposals(scheduled, catching_up)
         self.last_step_tokens = sum(n for _, n in scheduled)
         if not scheduled:
             self._drop_proposals(proposing)
@@ -257,36 +298,68 @@ class LLMEngine:
         return [out]
 
     # speculative decoding
-    def _propose(self) -> list[Sequence]:
-        """Prompt-lookup proposals for the decoding sequences that speculate, while the step's tokens stay
-        under speculative_max_step_tokens (a larger step is compute-bound); the sequences given some."""
+    def _propose(self) -> tuple[list[Sequence], list[tuple[Sequence, int]]]:
+        """Proposals for the decoding sequences that speculate, while the step's tokens stay under
+        speculative_max_step_tokens (a larger step is compute-bound): prompt lookup's now; for the draft's,
+        k placeholders the scheduler fits to the step before the draft fills them (_draft_proposals). The
+        sequences given some, and the draft sequences too far behind to propose: (sequence, the position
+        their catch-up reaches this step)."""
         running = self.scheduler.running
         if not any(s.spec is not None for s in running):
-            return []
+            return [], []
         num_tokens = min(sum(s.num_uncomputed_tokens for s in running), self.config.max_num_batched_tokens)
         spare = spare_tokens(num_tokens, self.config.speculative_max_step_tokens)
+        catch_up = self.config.max_num_batched_tokens  # the draft's tokens this step, before its proposals
         proposing: list[Sequence] = []
+        catching_up: list[tuple[Sequence, int]] = []
         for seq in running:
             if spare <= 0:
                 break
             if seq.spec is None or seq.num_uncomputed_tokens != 1:
                 continue
+            max_len = self.max_model_len if seq.spec.method == "ngram" else self.draft_max_len
             k = min(
                 spare,
-                cap_proposal(
-                    seq.spec.k, seq.num_output_tokens, seq.params.max_new_tokens, len(seq), self.max_model_len
-                ),
+                cap_proposal(seq.spec.k, seq.num_output_tokens, seq.params.max_new_tokens, len(seq), max_len),
             )
-            seq.spec.proposed = seq.spec.index.propose(seq.token_ids, k) if k > 0 else []
+            if k <= 0:
+                continue
+            if seq.spec.method == "ngram":
+                seq.spec.proposed = seq.spec.index.propose(seq.token_ids, k)
+            elif (lag := len(seq) - seq.spec.draft_computed) <= catch_up:
+                seq.spec.proposed = [0] * k  # placeholders until the draft runs
+                catch_up -= lag
+            elif catch_up > 0:  # a long catch-up (a prompt, a preemption) spread over steps, no proposals
+                catching_up.append((seq, seq.spec.draft_computed + catch_up))
+                catch_up = 0
             if seq.spec.proposed:
                 spare -= len(seq.spec.proposed)
                 proposing.append(seq)
-        return proposing
+        return proposing, catching_up
+
+    def _draft_proposals(self, scheduled: list[tuple[Sequence, int]], catching_up: list[tuple[Sequence, int]]) -> None:
+        """The draft model's tokens in place of the placeholders the scheduler kept (k each, in one batched
+        catch-up pass then k - 1 single-token passes), and the catch-ups of sequences too far behind."""
+        runs = [
+            DraftRun(seq, len(seq), len(seq.spec.proposed))
+            for seq, _ in scheduled
+            if seq.spec is not None and seq.spec.method == "draft" and seq.spec.proposed
+        ]
+        runs += [DraftRun(seq, end, 0) for seq, end in catching_up if seq.status == SequenceStatus.RUNNING]
+        if not runs:
+            return
+        assert self.draft is not None
+        for run, tokens in zip(runs, self.draft.propose(runs), strict=True):
+            if run.k:
+                assert run.seq.spec is not None
+                run.seq.spec.proposed = tokens
 
     def _accept(self, seq: Sequence, tokens: list[int], logprobs: list[float]) -> list[RequestOutput]:
         """A verified run: the accepted proposals and the model's own token, one by one through the finish
         checks (a stop, EOS or max_tokens inside the run ends it there); the rejected tokens' blocks back."""
         assert seq.spec is not None
+        # the draft's K/V holds after the last token only where its input was the token accepted there
+        seq.spec.draft_computed = min(seq.spec.draft_computed, len(seq) + len(tokens) - 1)
         seq.spec.adapt(len(seq.spec.proposed), len(tokens) - 1)
         self.spec_proposed_total += len(seq.spec.proposed)
         self.spec_accepted_total += len(tokens) - 1

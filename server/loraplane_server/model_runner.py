@@ -8,15 +8,16 @@ from loraplane_server.backends import Backends
 from loraplane_server.forward_batch import ForwardBatch, PrefillChunk
 from loraplane_server.lora.backends import LoRABatch, TritonBackend
 from loraplane_server.lora.slots import LoRASlots
+from loraplane_server.models.args import ModelArgs
 from loraplane_server.models.llama import LlamaForCausalLM
 from loraplane_server.sampler import Sampler
 from loraplane_server.sequence import Sequence
 from loraplane_server.verifier import verify
 
 
-def kv_block_bytes(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
-    a = model.args
-    return 2 * a.num_layers * block_size * a.num_kv_heads * a.head_dim * dtype.itemsize
+def kv_block_bytes(args: ModelArgs, block_size: int, dtype: torch.dtype) -> int:
+    """One KV block's bytes for a model of this shape (keys and values of every layer)."""
+    return 2 * args.num_layers * block_size * args.num_kv_heads * args.head_dim * dtype.itemsize
 
 
 class ModelRunner:

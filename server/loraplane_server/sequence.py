@@ -62,7 +62,7 @@ class Sequence:
         self.logprobs: list[float] = []
         self.detok = Detokenizer(self.num_prompt_tokens, params.stop)
         self.generator = None
-        self.spec: SpecState | None = None  # prompt-lookup speculation, when this request uses it
+        self.spec: SpecState | None = None  # speculation (prompt lookup or the draft), when this request uses it
         self.failure: RequestFailedError | None = None  # why it finished with FinishReason.ERROR
         self.arrival_time = time.monotonic()
         self.first_scheduled_time: float | None = None
@@ -108,4 +108,5 @@ class Sequence:
         self.num_preemptions += 1
         if self.spec is not None:
             self.spec.proposed = []
+            self.spec.draft_computed = 0
         self.status = SequenceStatus.WAITING

@@ -1,4 +1,5 @@
-"""Speculative decoding, stage 1: prompt lookup (n-gram) proposals and how many a step may verify. No torch.
+"""Speculative decoding: prompt lookup (n-gram) proposals, each sequence's state, and how many proposals a
+step may verify. No torch. The other proposer, a draft model, is draft.py.
 
 A sequence in decode proposes up to k next tokens by matching its last n tokens (n from `MAX_NGRAM` down
 to 1) against its prompt and output so far, and copying what followed the most recent match. The model
@@ -17,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 MAX_NGRAM = 3  # the longest suffix matched
-METHODS = ("off", "ngram")
+METHODS = ("off", "ngram", "draft")
 
 
 @dataclass
@@ -58,10 +59,13 @@ def _copy_after(tokens: list[int], end: int, k: int) -> list[int]:
 
 @dataclass
 class SpecState:
-    """One sequence's speculation: its n-gram index, its current k, and the proposals of this step."""
+    """One sequence's speculation: its method, its n-gram index or the draft's progress, its current k, and
+    the proposals of this step."""
 
     max_k: int
+    method: str = "ngram"  # ngram | draft
     k: int = 0
+    draft_computed: int = 0  # draft: leading positions whose K/V the draft model holds (draft.py)
     index: NgramIndex = field(default_factory=NgramIndex)
     proposed: list[int] = field(default_factory=list)  # this step's proposals, verified in this step's pass
     num_proposed: int = 0  # over the request's life, for its outputs and the metrics

@@ -21,14 +21,17 @@ def default_cache_dir() -> Path:
     return cache_root() / "models"
 
 
-def resolve_model(config: EngineConfig, on_phase: Callable[[str], None] | None = None) -> Path:
-    """The engine's entry: config.model -> a verified model directory (the Progress rides on a StartupListener)."""
+def resolve_model(config: EngineConfig, on_phase: Callable[[str], None] | None = None, flag: str = "--model") -> Path:
+    """The engine's entry: config.model -> a verified model directory (the Progress rides on a StartupListener).
+    flag: the option errors name (the draft model comes through here too)."""
     progress = on_phase.progress if isinstance(on_phase, StartupListener) else Progress(config.model)
     cache = Path(config.model_cache).expanduser() if config.model_cache else default_cache_dir()
-    return resolve(config.model, cache, config.offline, progress)
+    return resolve(config.model, cache, config.offline, progress, flag)
 
 
-def resolve(uri: str, cache_dir: Path, offline: bool = False, progress: Progress | None = None) -> Path:
+def resolve(
+    uri: str, cache_dir: Path, offline: bool = False, progress: Progress | None = None, flag: str = "--model"
+) -> Path:
     """A model URI -> a local directory ready to load; ModelSourceError says what to fix otherwise.
 
     offline (or HF_HUB_OFFLINE=1): only what the cache (or the local disk) holds, no network call."""
@@ -38,7 +41,7 @@ def resolve(uri: str, cache_dir: Path, offline: bool = False, progress: Progress
     except ModelSourceError:
         raise
     except SourceError as exc:  # the URI itself, in parse_source's words (shared with adapters)
-        raise ModelSourceError(f"--model {uri.strip()}: {exc}") from exc
+        raise ModelSourceError(f"{flag} {uri.strip()}: {exc}") from exc
     progress.set_phase("loading")
     return path
 

@@ -1,0 +1,181 @@
+"""Speculative decoding with a draft model (draft.py): exact under greedy against plain decoding, the draft's
+K/V right (a draft that is the model itself has every proposal accepted), catch-ups spread over steps,
+the KV pool sized for both models, and clear refusals (no draft, another tokenizer).
+
+The prompt-lookup tests in test_speculative.py that take a `method` run the draft too (stops and
+max_tokens inside a run, a soak with aborts, the sampled distribution).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import save_tiny
+from engine_helpers import make_engine
+from safetensors.torch import load_file, save_file
+from test_speculative import compare, mixed_work, repetitive_prompts, run_work
+
+from loraplane_server.config import EngineConfig
+from loraplane_server.draft import DraftModelError, check_vocabulary
+from loraplane_server.errors import InvalidRequestError
+from loraplane_server.model_runner import kv_block_bytes
+from loraplane_server.sampling_params import SamplingParams
+
+TINY = dict(block_size=4, num_kv_blocks=512, max_num_batched_tokens=64, speculative_max_step_tokens=64)
+
+
+def perturbed_copy(model_dir: Path, out: Path, noise: float, seed: int = 0) -> Path:
+    """The model with Gaussian noise (noise x each tensor's std) on every weight: a draft that agrees with it
+    often but not always."""
+    import shutil
+
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.copy(model_dir / "config.json", out / "config.json")
+    gen = torch.Generator().manual_seed(seed)
+    tensors = load_file(str(model_dir / "model.safetensors"))
+    for name, t in tensors.items():
+        if t.dim() == 2:
+            tensors[name] = t + torch.randn(t.shape, generator=gen) * t.std() * noise
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+@pytest.fixture(scope="module")
+def near_draft(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return perturbed_copy(tiny_llama_dir, tmp_path_factory.mktemp("near-draft"), noise=0.1)
+
+
+def test_the_model_as_its_own_draft_has_every_proposal_accepted(tiny_llama_dir: Path) -> None:
+    """fp32, no adapter: the draft computes what the model does, so a wrong K/V (a position skipped, a
+    rejected proposal's left in place, the catch-up off by one) shows up as a rejection."""
+    work = mixed_work(512, [None], n=9, seed=3)
+    _, engine = compare(tiny_llama_dir, work, method="draft", rejections=False, draft_model=str(tiny_llama_dir), **TINY)
+    assert engine.spec_proposed_total > 100 and engine.spec_accepted_total == engine.spec_proposed_total
+    assert engine.draft is not None and engine.draft.num_passes > 0
+
+
+def test_greedy_equal_with_adapters_joins_and_prefix_hits(
+    tiny_llama_dir: Path, near_draft: Path, tiny_adapters: dict[str, Path], tmp_path: Path
+) -> None:
+    """The draft runs without the adapters; each sequence's verification applies its own."""
+    work = mixed_work(512, [*tiny_adapters, None])
+    _, engine = compare(
+        tiny_llama_dir,
+        work,
+        tiny_adapters,
+        method="draft",
+        draft_model=str(near_draft),
+        max_loras=2,
+        max_lora_rank=16,
+        disk_cache_dir=str(tmp_path / "disk"),
+        **TINY,
+    )
+    assert engine.block_manager.num_prefix_hits > 0
+
+
+def test_a_draft_of_another_architecture(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """A Qwen2 draft (tied embeddings, q/k/v biases) with the Llama model's vocabulary: an unrelated random
+    model, so nearly every proposal is rejected, and the output is still plain decoding's."""
+    draft = save_tiny(tmp_path / "qwen2-draft", "qwen2", seed=7)
+    work = mixed_work(512, [None], n=6, seed=4)
+    results = []
+    for spec in ("off", "draft"):
+        engine = make_engine(tiny_llama_dir, speculative=spec, draft_model=str(draft), **TINY)
+        results.append(run_work(engine, work)[0])
+    assert results[0] == results[1]
+    assert engine.spec_proposed_total > 50 and "qwen2-draft" in engine.describe()
+
+
+def test_greedy_equal_under_preemption(tiny_llama_dir: Path, near_draft: Path) -> None:
+    """Preempted sequences lose their blocks, the draft's K/V with them: it starts over from the prompt."""
+    work = mixed_work(512, [None], n=10, seed=9)
+    work = [(a, p, SamplingParams(max_new_tokens=32), 0) for a, p, _, _ in work]
+    config = {**TINY, "num_kv_blocks": 48}
+    _, engine = compare(tiny_llama_dir, work, method="draft", draft_model=str(near_draft), **config)
+    assert engine.scheduler.num_preemptions > 0
+
+
+def test_a_long_catch_up_is_spread_over_steps(tiny_llama_dir: Path) -> None:
+    """A prompt longer than a step's tokens: the draft catches up in step-sized chunks without proposing,
+    then proposes (the model as its own draft: every proposal accepted, so no chunk was lost)."""
+    prompt = repetitive_prompts(512, 2, 1)[0] * 6
+    assert len(prompt) > 3 * 16
+    config = {**TINY, "max_num_batched_tokens": 16}
+    plain = make_engine(tiny_llama_dir, **config).generate([prompt], SamplingParams(max_new_tokens=24))[0]
+    engine = make_engine(tiny_llama_dir, speculative="draft", draft_model=str(tiny_llama_dir), **config)
+    spec = engine.generate([prompt], SamplingParams(max_new_tokens=24))[0]
+    assert spec.token_ids == plain.token_ids
+    assert engine.draft is not None and engine.draft.num_tokens >= len(prompt)
+    assert engine.spec_accepted_total == engine.spec_proposed_total > 0
+    # the first proposal waited for the catch-up: fewer verified steps than decode steps
+    assert spec.num_spec_steps < 24
+
+
+def test_the_kv_pool_holds_both_models(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """kv_cache_bytes buys blocks that hold the model's and the draft's K/V; the draft's tensors use the
+    same block ids."""
+    draft = save_tiny(tmp_path / "deep-draft", "llama", num_hidden_layers=5, seed=3)
+    budget = 1 << 20
+    plain = make_engine(tiny_llama_dir, kv_cache_bytes=budget, block_size=4)
+    engine = make_engine(tiny_llama_dir, kv_cache_bytes=budget, block_size=4, draft_model=str(draft))
+    assert engine.draft is not None
+    per_block = kv_block_bytes(engine.runner.model.args, 4, torch.float32)
+    draft_block = kv_block_bytes(engine.draft.model.args, 4, torch.float32)
+    assert plain.block_manager.num_blocks == budget // per_block
+    assert engine.block_manager.num_blocks == budget // (per_block + draft_block)
+    assert engine.draft.kv_caches.shape[2] == engine.runner.kv_caches.shape[2] == engine.block_manager.num_blocks
+
+
+def test_refusals(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="draft_model"):
+        EngineConfig(speculative="draft")
+    engine = make_engine(tiny_llama_dir)
+    with pytest.raises(InvalidRequestError, match="--draft-model") as err:
+        engine.add_request([1, 2, 3], SamplingParams(speculative="draft"))
+    assert err.value.param == "speculative"
+    other = save_tiny(tmp_path / "other-vocab", "llama", vocab_size=600)
+    with pytest.raises(DraftModelError, match="600 tokens"):
+        make_engine(tiny_llama_dir, draft_model=str(other))
+
+
+def test_vocabulary_check() -> None:
+    args = SimpleNamespace(vocab_size=8)
+    vocab = {f"t{i}": i for i in range(6)}
+    tok = SimpleNamespace(get_vocab=lambda: dict(vocab))
+    check_vocabulary(tok, tok, args, SimpleNamespace(vocab_size=6))  # type: ignore[arg-type]  # padding may differ
+    swapped = SimpleNamespace(get_vocab=lambda: {**vocab, "t1": 2, "t2": 1})
+    with pytest.raises(DraftModelError, match="'t1' is id 1 in the model's, 2 in the draft's"):
+        check_vocabulary(tok, swapped, args, args)  # type: ignore[arg-type]
+    with pytest.raises(DraftModelError, match="embedding has 4 rows"):
+        check_vocabulary(tok, tok, args, SimpleNamespace(vocab_size=4))  # type: ignore[arg-type]
+
+
+@pytest.mark.isa_agnostic
+def test_smollm2_as_its_own_draft_with_an_adapter(smollm2_dir: Path, tmp_path: Path) -> None:
+    """The built-in model (with its tokenizer, checked) drafting for itself in fp32: base requests have every
+    proposal accepted, an adapter's requests have theirs verified with the adapter (some rejected)."""
+    from test_speculative import SMOL_PROMPTS
+
+    from lora_helpers import ADAPTER_SPECS, make_peft_adapter
+
+    adapter = make_peft_adapter(smollm2_dir, tmp_path / "a", seed=0, b_scale=0.05, **ADAPTER_SPECS["qv-r4"])
+    engine = make_engine(smollm2_dir)
+    ids = [engine.tokenizer.encode(p, add_special_tokens=False) for p in SMOL_PROMPTS]
+    work = [
+        (None, ids[0], SamplingParams(max_new_tokens=24), 0),
+        ("a", ids[1], SamplingParams(max_new_tokens=24), 1),
+        (None, ids[2], SamplingParams(max_new_tokens=24), 2),
+    ]
+    compare(
+        smollm2_dir,
+        work,
+        {"a": adapter},
+        method="draft",
+        rejections=False,
+        draft_model=str(smollm2_dir),
+        disk_cache_dir=str(tmp_path / "disk"),
+        max_model_len=512,
+    )
