@@ -124,6 +124,19 @@ def speculation_counts(engine: LLMEngine) -> tuple[int, int]:
     return engine.spec_proposed_total, engine.spec_accepted_total
 
 
+def own_draft(method: str, model_dir: Path) -> dict[str, object]:
+    """For the draft method the model drafting for itself (a draft always right under greedy in fp32)."""
+    return {"draft_model": str(model_dir)} if method == "draft" else {}
+
+
+def drafting(method: str, model_dir: Path) -> dict[str, object]:
+    """An engine's speculation settings: off, prompt lookup, or the model drafting for itself."""
+    return {"speculative": method, **own_draft(method, model_dir)}
+
+
+METHODS = pytest.mark.parametrize("method", ["ngram", "draft"])
+
+
 def compare(
     model_dir: Path,
     work: Work,
@@ -187,10 +200,11 @@ def test_tiny_greedy_equal_under_preemption(tiny_qwen2_dir: Path) -> None:
     assert engine.scheduler.num_preemptions > 0
 
 
-def test_stop_token_and_max_tokens_inside_an_accepted_run(tiny_llama_dir: Path) -> None:
+@METHODS
+def test_stop_token_and_max_tokens_inside_an_accepted_run(tiny_llama_dir: Path, method: str) -> None:
     prompts = repetitive_prompts(512, 11, 6)
     work: Work = [(None, p, SamplingParams(max_new_tokens=40), 0) for p in prompts]
-    engine = make_engine(tiny_llama_dir, block_size=4, num_kv_blocks=512, speculative="ngram")
+    engine = make_engine(tiny_llama_dir, block_size=4, num_kv_blocks=512, **drafting(method, tiny_llama_dir))
     full, groups = run_work(engine, work)
     cut_work: Work = []
     for (adapter, prompt, _, _), tokens, sizes in zip(work, full, groups, strict=True):
@@ -204,7 +218,10 @@ def test_stop_token_and_max_tokens_inside_an_accepted_run(tiny_llama_dir: Path) 
         if tokens[pos] not in tokens[:pos]:
             cut_work.append((adapter, prompt, SamplingParams(max_new_tokens=40, stop_token_ids=[tokens[pos]]), 0))
     assert len(cut_work) >= 3
-    outs, _ = compare(tiny_llama_dir, cut_work, block_size=4, num_kv_blocks=512)
+    draft = own_draft(method, tiny_llama_dir)
+    outs, _ = compare(
+        tiny_llama_dir, cut_work, method=method, rejections=not draft, block_size=4, num_kv_blocks=512, **draft
+    )
     for (_, _, params, _), tokens in zip(cut_work, outs, strict=True):
         if params.stop_token_ids:
             assert tokens[-1] == params.stop_token_ids[0]
@@ -225,8 +242,9 @@ def test_request_option_and_the_step_cap(tiny_llama_dir: Path) -> None:
     assert speculation_counts(engine) == before
 
 
+@METHODS
 def test_soak_with_aborts_returns_every_block_and_slot(
-    tiny_llama_dir: Path, tiny_adapters: dict[str, Path], tmp_path: Path
+    tiny_llama_dir: Path, tiny_adapters: dict[str, Path], tmp_path: Path, method: str
 ) -> None:
     engine = make_engine(
         tiny_llama_dir,
@@ -235,8 +253,8 @@ def test_soak_with_aborts_returns_every_block_and_slot(
         max_loras=2,
         max_lora_rank=16,
         disk_cache_dir=str(tmp_path / "disk"),
-        speculative="ngram",
         speculative_max_step_tokens=64,
+        **drafting(method, tiny_llama_dir),
     )
     for name, path in tiny_adapters.items():
         engine.adapters.register(name, str(path))
@@ -276,7 +294,8 @@ def chi_square_p(a: list[int], b: list[int]) -> float:
     return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(stat / 2)))
 
 
-def test_sampled_token_distribution_matches_plain_sampling(tiny_llama_dir: Path) -> None:
+@METHODS
+def test_sampled_token_distribution_matches_plain_sampling(tiny_llama_dir: Path, method: str) -> None:
     """Temperature 0.5, top-k 2 after a prompt ending in the model's own greedy loop: proposals are accepted
     and rejected often (a rejection that forgot to remove the proposal fails this at p ~ 1e-8)."""
     rng = random.Random(0)
@@ -286,10 +305,10 @@ def test_sampled_token_distribution_matches_plain_sampling(tiny_llama_dir: Path)
     position = 6  # the 7th generated token: reached through accepted and rejected proposals
     num = 600
     draws: dict[str, list[int]] = {}
-    for spec in ("off", "ngram"):
+    for spec in ("off", method):
         engine = make_engine(
             tiny_llama_dir,
-            speculative=spec,
+            **drafting(spec, tiny_llama_dir),
             max_num_seqs=num,
             max_num_batched_tokens=8192,
             num_kv_blocks=4096,
@@ -300,13 +319,13 @@ def test_sampled_token_distribution_matches_plain_sampling(tiny_llama_dir: Path)
         params = [SamplingParams(max_new_tokens=8, temperature=0.5, top_k=2, seed=seed0 + i) for i in range(num)]
         outs = engine.generate([prompt] * num, params)
         draws[spec] = [o.token_ids[position] for o in outs]
-        if spec == "ngram":
+        if spec == method:
             proposed, accepted = speculation_counts(engine)
             assert 0.05 * proposed < accepted < 0.9 * proposed, (proposed, accepted)
             again = engine.generate([prompt] * 4, params[:4])  # a seed replays
             assert [o.token_ids for o in again] == [o.token_ids for o in outs[:4]]
     assert len(set(draws["off"])) > 2
-    p = chi_square_p(draws["off"], draws["ngram"])
+    p = chi_square_p(draws["off"], draws[method])
     assert p > 1e-3, p
 
 
@@ -348,8 +367,9 @@ def test_smollm2_greedy_equal_with_an_adapter_and_a_stop_string_inside_a_run(smo
 
 @pytest.mark.requires_bf16_kernels
 @pytest.mark.parametrize("fuse_layers", [True, False], ids=["fused", "layers"])
+@METHODS
 def test_bf16_kernels_greedy_equal(
-    tiny_llama_dir: Path, tiny_adapters: dict[str, Path], tmp_path: Path, fuse_layers: bool
+    tiny_llama_dir: Path, tiny_adapters: dict[str, Path], tmp_path: Path, fuse_layers: bool, method: str
 ) -> None:
     """The verification rows through the CPU kernels (prefill-chunk attention, the last layer on k + 1 logits
     rows a sequence, BGMV per row): a tiny model far from ties gives plain decoding's tokens."""
@@ -366,6 +386,8 @@ def test_bf16_kernels_greedy_equal(
         max_lora_rank=16,
         disk_cache_dir=str(tmp_path / "disk"),
         speculative_max_step_tokens=64,
+        method=method,
+        **own_draft(method, tiny_llama_dir),
     )
 
 

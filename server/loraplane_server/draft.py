@@ -58,7 +58,7 @@ def check_vocabulary(
         return
     target_vocab, draft_vocab = target_tokenizer.get_vocab(), draft_tokenizer.get_vocab()
     if target_vocab != draft_vocab:
-        differ = sorted(set(target_vocab.items()) ^ set(draft_vocab.items()), key=lambda kv: kv[1])
+        differ = sorted(set(target_vocab.items()) ^ set(draft_vocab.items()), key=lambda kv: (kv[1], kv[0]))
         token, _ = differ[0]
         raise DraftModelError(
             f"the draft model's tokenizer differs from the model's ({len(target_vocab)} vs {len(draft_vocab)} "
