@@ -195,7 +195,9 @@ def test_defaulting_fills_what_the_operator_relies_on():
         ("BaseModelServer", {"port": 70000}),
         ("BaseModelServer", {"engine": {"dtype": "int8"}}),
         ("BaseModelServer", {"engine": {"quantization": "int4"}}),
-        ("BaseModelServer", {"engine": {"speculative": "draft"}}),
+        ("BaseModelServer", {"engine": {"speculative": "medusa"}}),
+        ("BaseModelServer", {"engine": {"draftModel": ""}}),
+        ("BaseModelServer", {"engine": {"draftModel": "/m" * 600}}),
         ("BaseModelServer", {"engine": {"hostCacheBytes": "lots"}}),
         ("BaseModelServer", {"resources": {"requests": {"memory": "16 gigs"}}}),
         ("BaseModelServer", {"autoscaling": {"kind": "vpa"}}),
@@ -472,6 +474,40 @@ def test_cel_accepts_model_sources(model):
 )
 def test_cel_rejects_wrong_model_sources(model, expected):
     assert expected in one_violation({"model": model})
+
+
+@pytest.mark.parametrize(
+    "draft",
+    ["smollm2-135m", "/models/smollm2-135m", "/models/draft.Q8_0.gguf", "hf://HuggingFaceTB/SmolLM2-135M@main"],
+)
+def test_cel_accepts_draft_model_sources(draft):
+    assert ".spec.engine.draftModel" in rule_paths("BaseModelServer")
+    for engine in ({"speculative": "draft", "draftModel": draft}, {"draftModel": draft}):  # alone: requests opt in
+        assert violations("BaseModelServer", bms(engine=engine)) == []
+        validate("BaseModelServer", bms(engine=engine))
+
+
+@pytest.mark.parametrize(
+    ("draft", "expected"),
+    [
+        ("models/draft", "draftModel must be a built-in name (smollm2-135m), an absolute path"),
+        ("HuggingFaceTB/SmolLM2-135M", "draftModel must be a built-in name"),
+        ("gs://bucket/draft", "draftModel must be a built-in name"),
+        ("hf://HuggingFaceTB", "an hf:// draftModel looks like hf://org/repo"),
+        ("s3://key:secret@models/x", "keys belong in credentials.s3"),
+        ("/models/../etc", "draftModel must not hold '.' or '..' path segments"),
+    ],
+)
+def test_cel_rejects_wrong_draft_model_sources(draft, expected):
+    """The draft model is refused as an invalid spec.model is, one message naming draftModel."""
+    assert expected in one_violation({"engine": {"speculative": "draft", "draftModel": draft}})
+
+
+def test_cel_speculative_draft_needs_a_draft_model():
+    assert "draft needs engine.draftModel" in one_violation({"engine": {"speculative": "draft"}})
+    for method in ("off", "ngram"):
+        assert violations("BaseModelServer", bms(engine={"speculative": method})) == []
+    assert violations("BaseModelServer", bms(engine={})) == []
 
 
 @pytest.mark.parametrize(

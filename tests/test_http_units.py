@@ -3,6 +3,7 @@ admission and draining, start-up progress, error shapes, id validation, per-app 
 
 from __future__ import annotations
 
+import argparse
 import time
 from pathlib import Path
 
@@ -171,3 +172,24 @@ def test_serve_builds_one_config_from_flags_and_environment(monkeypatch: pytest.
     assert config.admin_token == "from-the-environment" and config.model_name == "smollm2-135m"
     assert config.allowlist == [str(tmp_path), "s3://bucket/", "hf://org/"]
     assert ServerConfig().allowlist == ["hf://"]
+
+
+def test_draft_model_flags_reach_both_engine_configs(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    import loraplane_server.http.app as http_app
+
+    got: list[ServerConfig] = []
+    monkeypatch.setattr(http_app, "serve", lambda config: got.append(config) or 0)
+    draft = ["--speculative", "draft", "--draft-model", "hf://HuggingFaceTB/SmolLM2-135M", "--model-cache", "/c"]
+    assert cli.main(["serve", *draft]) == 0
+    (config,) = got
+    assert config.engine.speculative == "draft" and config.engine.draft_model == "hf://HuggingFaceTB/SmolLM2-135M"
+    assert config.engine.model_cache == "/c"  # the draft resolves through the target's cache
+    chat = argparse.ArgumentParser()
+    cli._engine_args(chat)
+    engine = cli._config(chat.parse_args(draft))
+    assert engine.speculative == "draft" and engine.draft_model == "hf://HuggingFaceTB/SmolLM2-135M"
+    assert cli._config(chat.parse_args([])).draft_model is None
+    assert cli.main(["serve", "--speculative", "draft"]) == 2  # no --draft-model: refused before loading
+    assert "--draft-model" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        chat.parse_args(["--speculative", "medusa"])

@@ -84,7 +84,12 @@ def test_deployment_with_everything():
         "adminTokenSecretRef": {"name": "admin", "key": "tok"},
         "env": [{"name": "HF_HUB_OFFLINE", "value": "1"}],
         "serviceAccountName": "reader",
-        "engine": {"quantization": "int8", "dtype": "bfloat16", "speculative": "ngram"},
+        "engine": {
+            "quantization": "int8",
+            "dtype": "bfloat16",
+            "speculative": "draft",
+            "draftModel": "hf://HuggingFaceTB/SmolLM2-135M",
+        },
     }
     dep = builders.get_deployment(bms(**spec))
     pod = dep["spec"]["template"]["spec"]
@@ -93,7 +98,8 @@ def test_deployment_with_everything():
     assert ctr["args"][:6] == ["--model", "/models/llama", "--host", "$(POD_IP)", "--port", "9000"]
     assert ctr["args"][-2:] == ["--log-level", "debug"]
     pairs = dict(zip(ctr["args"][:-2:2], ctr["args"][1:-2:2], strict=True))
-    assert pairs["--quantization"] == "int8" and pairs["--dtype"] == "bfloat16" and pairs["--speculative"] == "ngram"
+    assert pairs["--quantization"] == "int8" and pairs["--dtype"] == "bfloat16" and pairs["--speculative"] == "draft"
+    assert pairs["--draft-model"] == "hf://HuggingFaceTB/SmolLM2-135M"
     assert ctr["resources"] == {"limits": {"cpu": 4}}  # no GPU limit for gpus: 0
     assert {"name": "LORAPLANE_ADMIN_TOKEN", "valueFrom": {"secretKeyRef": {"name": "admin", "key": "tok"}}} in ctr[
         "env"
@@ -103,6 +109,25 @@ def test_deployment_with_everything():
     assert pod["tolerations"][0]["key"] == "nvidia.com/gpu"
     assert pod["serviceAccountName"] == "reader"
     assert pod["terminationGracePeriodSeconds"] > 30
+
+
+def test_the_draft_model_shares_the_model_cache_and_credentials():
+    """The server resolves --draft-model as it does --model: the same --model-cache mount and credentials env."""
+    spec = {
+        "model": "hf://HuggingFaceTB/SmolLM2-360M",
+        "modelCache": {"volume": "PersistentVolumeClaim"},
+        "credentials": {"huggingFace": {"secretName": "hf"}},
+        "engine": {"draftModel": "hf://HuggingFaceTB/SmolLM2-135M"},  # no speculative: requests opt in
+    }
+    ctr = container(builders.get_deployment(bms(**spec)))
+    args = ctr["args"]
+    assert args[args.index("--draft-model") + 1] == "hf://HuggingFaceTB/SmolLM2-135M"
+    assert args[args.index("--model-cache") + 1] == builders.DEFAULT_CACHE_MOUNT
+    assert "--speculative" not in args
+    assert {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "HF_TOKEN"}}} in ctr["env"]
+    assert any(m["mountPath"] == builders.DEFAULT_CACHE_MOUNT for m in ctr["volumeMounts"])
+    other = builders.config_hash({**spec, "engine": {"draftModel": "/models/other-draft"}})
+    assert builders.config_hash(spec) != other  # a new draft model rolls the pods
 
 
 def test_deployment_keeps_the_autoscalers_replicas():

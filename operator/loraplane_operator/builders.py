@@ -36,6 +36,7 @@ ENGINE_FLAGS = {
     "dtype": "--dtype",
     "quantization": "--quantization",
     "speculative": "--speculative",
+    "draftModel": "--draft-model",  # the server resolves it as --model: same credentials env and model cache
     "maxQueue": "--max-queue",
 }
 # spec fields that do not change the pod template (scaling is not a new configuration)

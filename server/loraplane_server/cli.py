@@ -58,9 +58,17 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--speculative",
         default="off",
-        choices=["off", "ngram"],
-        help="ngram: prompt-lookup speculative decoding by default (a request's 'speculative' field overrides "
-        "it); exact under greedy, the sampled distribution unchanged; off by itself in compute-bound steps",
+        choices=["off", "ngram", "draft"],
+        help="speculative decoding by default (a request's 'speculative' field overrides it): ngram proposes by "
+        "prompt lookup, draft: the --draft-model proposes k tokens greedily; either is exact under greedy, the "
+        "sampled distribution unchanged; off by itself in compute-bound steps",
+    )
+    p.add_argument(
+        "--draft-model",
+        default=None,
+        metavar="URI",
+        help="a smaller model with the target's tokenizer for --speculative draft (and requests that ask for "
+        "it): the same sources as --model, resolved through the same model cache",
     )
     p.add_argument("--speculative-k", type=int, default=4, help="most tokens a sequence proposes a step")
     p.add_argument(
@@ -92,6 +100,7 @@ def _config(a: argparse.Namespace) -> EngineConfig:
         attention_backend=a.attention_backend,
         layer_backend=a.layer_backend,
         speculative=a.speculative,
+        draft_model=a.draft_model,
         speculative_k=a.speculative_k,
         speculative_max_step_tokens=a.speculative_max_step_tokens,
     )
@@ -190,6 +199,7 @@ def _server_config(a: argparse.Namespace):  # noqa: ANN202 - imported lazily: ch
         attention_backend=a.attention_backend,
         layer_backend=a.layer_backend,
         speculative=a.speculative,
+        draft_model=a.draft_model,
         speculative_k=a.speculative_k,
         speculative_max_step_tokens=a.speculative_max_step_tokens,
     )

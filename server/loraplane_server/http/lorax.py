@@ -32,7 +32,12 @@ from loraplane_server.http.admin import (
 )
 from loraplane_server.http.errors import ApiError
 from loraplane_server.http.generation import Generation, SSEResponse, TokenEvent, run_to_end, sse
-from loraplane_server.http.openai_protocol import REPETITION_PENALTY_DOC, TEMPERATURE_DOC, TOP_P_DOC
+from loraplane_server.http.openai_protocol import (
+    REPETITION_PENALTY_DOC,
+    SPECULATIVE_DOC,
+    TEMPERATURE_DOC,
+    TOP_P_DOC,
+)
 from loraplane_server.http.sampling import (
     ValidText,
     check_budget,
@@ -78,9 +83,7 @@ class LoraxParameters(BaseModel):
     typical_p: float | None = Field(default=None, gt=0.0, le=1.0)
     best_of: int | None = Field(default=None, ge=1, le=1)
     watermark: bool = False
-    speculative: Literal["off", "ngram"] | None = Field(
-        default=None, description="loraplane extension: prompt-lookup speculative decoding; none: the server's default"
-    )
+    speculative: Literal["off", "ngram", "draft"] | None = Field(default=None, description=SPECULATIVE_DOC)
     details: bool = False
     decoder_input_details: bool = False
     return_k_alternatives: int | None = Field(default=None, ge=0, le=0)

@@ -17,6 +17,10 @@ REPETITION_PENALTY_DOC = (
     f"1 is off; at least {MIN_REPETITION_PENALTY:g}: a penalty p divides seen tokens' positive logits by p, "
     "and a tinier p would overflow them"
 )
+SPECULATIVE_DOC = (
+    "loraplane extension: this request's speculative decoding: off, ngram (prompt lookup) or draft (the "
+    "server's --draft-model proposes); none: the server's default"
+)
 
 
 class StreamOptions(BaseModel):
@@ -47,9 +51,7 @@ class SamplingFields(ValidText):
     ignore_eos: bool = Field(default=False, description="vLLM extension")
     user: str | None = Field(default=None, max_length=1024)
     logit_bias: dict[str, float] | None = Field(default=None, description="only an empty map is supported")
-    speculative: Literal["off", "ngram"] | None = Field(
-        default=None, description="loraplane extension: prompt-lookup speculative decoding; none: the server's default"
-    )
+    speculative: Literal["off", "ngram", "draft"] | None = Field(default=None, description=SPECULATIVE_DOC)
 
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
