@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from engine_helpers import make_engine
@@ -20,7 +19,7 @@ from test_quantization import mixed_work
 from lora_helpers import ADAPTER_SPECS, make_peft_adapter, peft_greedy
 from loraplane_server.config import EngineConfig
 from loraplane_server.engine import LLMEngine
-from loraplane_server.gguf_models import find_gguf
+from loraplane_server.gguf_models import find_gguf, write_q8_0
 from loraplane_server.layers.linear import ProjectionLinear
 from loraplane_server.model_store import resolve
 from loraplane_server.models.loader import load_model
@@ -251,39 +250,11 @@ def test_compressed_tensors_engine_matches_peft_on_the_decompressed_model(tiny_l
 # GGUF Q8_0
 
 
-def write_q8_0_gguf(src: Path, out: Path) -> Path:
-    """src (a GGUF) re-encoded by gguf-py: every 2-D tensor as Q8_0 (ggml's own quantization, bit for bit),
-    the norms as they are, every metadata field copied (tokenizer included)."""
-    import gguf
-
-    reader = gguf.GGUFReader(str(src))
-    arch = reader.fields["general.architecture"].contents()
-    writer = gguf.GGUFWriter(str(out), arch)
-    for field in reader.fields.values():
-        if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
-            continue
-        kind = field.types[0]
-        sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(field.name, field.contents(), kind, sub_type=sub)
-    for tensor in reader.tensors:
-        w = gguf.dequantize(tensor.data, tensor.tensor_type)
-        if w.ndim == 2:
-            writer.add_tensor(tensor.name, gguf.quantize(w, gguf.GGMLQuantizationType.Q8_0),
-                              raw_dtype=gguf.GGMLQuantizationType.Q8_0)  # fmt: skip
-        else:
-            writer.add_tensor(tensor.name, np.ascontiguousarray(w, dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return out
-
-
 @pytest.fixture(scope="module")
 def q8_0(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """(the Q8_0 GGUF file, its directory in a model cache)."""
     root = tmp_path_factory.mktemp("q8_0")
-    gguf_file = write_q8_0_gguf(find_gguf("smollm2-135m"), root / "smollm2-135m.Q8_0.gguf")
+    gguf_file = write_q8_0(find_gguf("smollm2-135m"), root / "smollm2-135m.Q8_0.gguf")
     return gguf_file, resolve(str(gguf_file), root / "cache")
 
 

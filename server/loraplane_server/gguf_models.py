@@ -72,6 +72,35 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def write_q8_0(src: Path, out: Path) -> Path:
+    """A GGUF re-encoded by gguf-py (llama.cpp's own Python package) with every 2-D tensor as Q8_0 (ggml's
+    quantization, bit for bit) and the rest in float32, every metadata field copied (the tokenizer too): an
+    int8 model from any GGUF, such as the built-in model's Q8_0 as its own draft (bench/speculative.py)."""
+    import gguf
+    import numpy as np
+
+    reader = gguf.GGUFReader(str(src))
+    writer = gguf.GGUFWriter(str(out), reader.fields["general.architecture"].contents())
+    for field in reader.fields.values():
+        if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
+            continue
+        kind = field.types[0]
+        sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, field.contents(), kind, sub_type=sub)
+    for tensor in reader.tensors:
+        w = gguf.dequantize(tensor.data, tensor.tensor_type)
+        if w.ndim == 2:
+            q8 = gguf.GGMLQuantizationType.Q8_0
+            writer.add_tensor(tensor.name, gguf.quantize(w, q8), raw_dtype=q8)
+        else:
+            writer.add_tensor(tensor.name, np.ascontiguousarray(w, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
 def _write_tensors(gguf_path: Path, skeleton: Any, out: Path) -> int:  # noqa: ANN401 - a transformers model
     """Every tensor of the GGUF file under its transformers name into safetensors shards; returns how many
     projections were kept as int8."""
