@@ -1,15 +1,19 @@
-"""Speculative decoding benchmark (issue 25, stage 1: prompt lookup), speculation on against off, same machine.
+"""Speculative decoding benchmark (issue 25): prompt lookup and a draft model against speculation off, same machine.
 
-Both engines run the built-in SmolLM2-135M in the engine's dtype for this CPU with every backend on auto; one has
-`speculative="ngram"` (EngineConfig's k and step-token cap). Measured, alternating the two engines:
+Three engines run the built-in SmolLM2-135M in the engine's dtype for this CPU with every backend on auto:
+speculation off, `speculative="ngram"`, and `speculative="draft"` with the built-in model's own Q8_0 quantization
+as the draft (gguf_models.write_q8_0, served as int8: the smallest draft with SmolLM2's tokenizer this machine
+has; a real pairing puts a ~100M draft before a 1-8B model), each with EngineConfig's k and step-token cap.
+Measured, alternating the engines:
 1. the plain decode step's time against its rows (batch 1..64, bench/engine.py's decode_rate), the curve the
    step-token cap (`speculative_max_step_tokens`) is read from: past it a step's time grows with its rows;
 2. the input-grounded workload: data/speculative_prompts.json's 12 chat prompts (rewrites, extractions, code
    edits, written for the project) through the chat template, greedy, in waves of 1, 4 and 16 requests at once
-   (wall time until the last one ends): tokens/s on and off, proposals and acceptances;
+   (wall time until the last one ends): tokens/s for each method, proposals and acceptances;
 3. the multi-adapter workload (bench/multi_lora.py's (b): 256 requests over 64 adapters), where speculation should
    switch itself off (large steps).
-Targets (issue 25): batch 1 >= 1.5x; the multi-adapter workload no more than 5% slower.
+Targets (issue 25, prompt lookup): batch 1 >= 1.5x; the multi-adapter workload no more than 5% slower. The
+draft's ratios are reported (its pay-off depends on the pairing: here the draft costs ~0.76 of the model a pass).
 
 Run: PYTHONPATH=server:operator .venv/bin/python bench/speculative.py [--quick] [--rounds 2]
      [--out bench/out/speculative.json]
@@ -45,20 +49,34 @@ from multi_lora import (
 
 from loraplane_server.builtin import resolve_model
 from loraplane_server.engine import LLMEngine
+from loraplane_server.gguf_models import find_gguf, write_q8_0
 from loraplane_server.sampling_params import SamplingParams
+from loraplane_server.user_cache import cache_root
 
 TARGET_BATCH1 = 1.5
 TARGET_MULTI_ADAPTER = 0.95
 GROUNDED_BATCHES = (1, 4, 16)
 STEP_ROWS = (1, 2, 4, 8, 16, 32, 64)
-MODES = ("off", "ngram")
+MODES = ("off", "ngram", "draft")
 PROMPTS = Path(__file__).parent / "data" / "speculative_prompts.json"
 
 
+def q8_0_draft() -> Path:
+    """The built-in model's Q8_0 GGUF, written once into the user cache (the model cache converts it once)."""
+    path = cache_root() / "bench" / "smollm2-135m.Q8_0.gguf"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_q8_0(find_gguf("smollm2-135m"), path.with_suffix(".part"))
+        path.with_suffix(".part").rename(path)
+    return path
+
+
 def make_engine(mode: str, w: Workload, tmp: Path, threads: int | None) -> LLMEngine:
-    """The multi-adapter workload's engine (every adapter a device slot) with speculation `mode`."""
+    """The multi-adapter workload's engine (every adapter a device slot) with speculation `mode` (the same KV
+    bytes for each: the draft's engine shares them between both models' K/V)."""
     config = engine_config(replace(w, max_loras=w.num_adapters), tmp, mode, 1 << 30)
-    return LLMEngine(replace(config, num_threads=threads, speculative=mode))
+    draft = str(q8_0_draft()) if mode == "draft" else None
+    return LLMEngine(replace(config, num_threads=threads, speculative=mode, draft_model=draft))
 
 
 def grounded_prompts(engine: LLMEngine) -> list[list[int]]:
@@ -145,9 +163,12 @@ def plot(result: dict, path: Path) -> str | None:
     labels = [f"grounded\nbatch {b}" for b in GROUNDED_BATCHES] + ["256 requests\n64 adapters"]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     x = range(len(names))
+    width = 0.8 / len(MODES)
     for i, mode in enumerate(MODES):
         rates = [result["systems"][mode][n]["tokens_per_s"] for n in names]
-        axes[0].bar([k + (i - 0.5) * 0.4 for k in x], rates, width=0.4, label=f"speculative {mode}")
+        offset = (i - (len(MODES) - 1) / 2) * width
+        label = "speculative draft (own Q8_0)" if mode == "draft" else f"speculative {mode}"
+        axes[0].bar([k + offset for k in x], rates, width=width, label=label)
     axes[0].set_xticks(list(x), labels, fontsize=8)
     axes[0].set_ylabel("tokens/s")
     axes[0].legend()
@@ -177,9 +198,9 @@ def run(w: Workload, ew: EngineWorkload, rounds: int, new_tokens: int, threads: 
             decode_rate(engine, token_pool(engine), 2, replace(ew, decode_new_tokens=4))  # warm-up
         with torch.inference_mode():
             result = measure(engines, w, ew, rounds, new_tokens)
-        off, on = result["systems"]["off"], result["systems"]["ngram"]
-        ratios = {name: round(on[name]["tokens_per_s"] / off[name]["tokens_per_s"], 3) for name in off}
-        engine = engines["ngram"]
+        rate = {mode: {n: x["tokens_per_s"] for n, x in by.items()} for mode, by in result["systems"].items()}
+        ratios = {mode: {n: round(rate[mode][n] / rate["off"][n], 3) for n in rate["off"]} for mode in MODES[1:]}
+        engine = engines["draft"]
         cfg = engine.config
         return {
             "machine": machine(dtype=engine.dtype, engine=engine.describe()),
@@ -190,12 +211,15 @@ def run(w: Workload, ew: EngineWorkload, rounds: int, new_tokens: int, threads: 
                 "grounded_new_tokens": new_tokens,
                 "speculative_k": cfg.speculative_k,
                 "speculative_max_step_tokens": cfg.speculative_max_step_tokens,
+                "draft_model": "the built-in model's Q8_0 (gguf_models.write_q8_0), served as int8",
+                "kv_blocks": {mode: e.block_manager.num_blocks for mode, e in engines.items()},
             },
             **result,
-            "ratios_on_over_off": ratios,
+            "ratios_over_off": ratios,
             "targets": {
-                "grounded_batch1": target(ratios["grounded_b1"], TARGET_BATCH1, True),
-                "multi_adapter": target(ratios["multi_adapter"], TARGET_MULTI_ADAPTER, True),
+                "ngram_grounded_batch1": target(ratios["ngram"]["grounded_b1"], TARGET_BATCH1, True),
+                "ngram_multi_adapter": target(ratios["ngram"]["multi_adapter"], TARGET_MULTI_ADAPTER, True),
+                "draft_multi_adapter": target(ratios["draft"]["multi_adapter"], TARGET_MULTI_ADAPTER, True),
             },
         }
 

@@ -27,8 +27,10 @@ PROMPT = f"Repeat the following text exactly, word for word:\n\n{TEXT}\n\nRepeat
 def server(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> ServerProcess:
     adapters = make_adapter_set(smollm2_dir, tmp_path_factory.getbasetemp() / "spec-adapters", ["a00"])
     log = tmp_path_factory.mktemp("http-spec") / "server.log"
-    # the built-in model drafting for itself: the draft path end to end (a real pairing needs a smaller model)
-    args = ["--max-model-len", "512", "--num-kv-blocks", "128", "--adapter-dir", str(adapters), "--draft-model", BASE]
+    # the built-in model drafting for itself, told it costs nothing (else it would measure that it never pays):
+    # the draft path end to end (a real pairing needs a smaller model)
+    args = ["--max-model-len", "512", "--num-kv-blocks", "128", "--adapter-dir", str(adapters)]
+    args += ["--draft-model", BASE, "--draft-cost-ratio", "0"]
     proc = ServerProcess(args, log)
     proc.wait_ready()
     try:

@@ -125,8 +125,9 @@ def speculation_counts(engine: LLMEngine) -> tuple[int, int]:
 
 
 def own_draft(method: str, model_dir: Path) -> dict[str, object]:
-    """For the draft method the model drafting for itself (a draft always right under greedy in fp32)."""
-    return {"draft_model": str(model_dir)} if method == "draft" else {}
+    """For the draft method the model drafting for itself (a draft always right under greedy in fp32), told its
+    passes cost nothing so that it always proposes (its own cost model would turn it off: it costs a step)."""
+    return {"draft_model": str(model_dir), "draft_cost_ratio": 0.0} if method == "draft" else {}
 
 
 def drafting(method: str, model_dir: Path) -> dict[str, object]:

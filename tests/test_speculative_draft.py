@@ -23,8 +23,12 @@ from loraplane_server.draft import DraftModelError, check_vocabulary
 from loraplane_server.errors import InvalidRequestError
 from loraplane_server.model_runner import kv_block_bytes
 from loraplane_server.sampling_params import SamplingParams
+from loraplane_server.speculative import draft_k, expected_accepted
 
-TINY = dict(block_size=4, num_kv_blocks=512, max_num_batched_tokens=64, speculative_max_step_tokens=64)
+# draft_cost_ratio 0: the draft proposes whenever it can (its cost model is tested on its own below)
+TINY = dict(
+    block_size=4, num_kv_blocks=512, max_num_batched_tokens=64, speculative_max_step_tokens=64, draft_cost_ratio=0.0
+)
 
 
 def perturbed_copy(model_dir: Path, out: Path, noise: float, seed: int = 0) -> Path:
@@ -176,6 +180,45 @@ def test_smollm2_as_its_own_draft_with_an_adapter(smollm2_dir: Path, tmp_path: P
         method="draft",
         rejections=False,
         draft_model=str(smollm2_dir),
+        draft_cost_ratio=0.0,
         disk_cache_dir=str(tmp_path / "disk"),
         max_model_len=512,
     )
+
+
+# when the draft pays
+def test_draft_k_weighs_accepted_tokens_against_the_passes() -> None:
+    assert expected_accepted(0.5, 3) == 0.5 + 0.25 + 0.125
+    # a draft as dear as the model never pays; a free one proposes its full k
+    assert draft_k([(0.99, 4)], num_rows=1, cost_ratio=1.0) == 0
+    assert draft_k([(0.5, 4)], num_rows=1, cost_ratio=0.0) == 4
+    # the model's own int8 copy (~0.7 a pass, ~94% accepted): a few tokens, not the most it may
+    assert draft_k([(0.94, 8)], num_rows=1, cost_ratio=0.7) == 3
+    # the same draft for 2 of 8 sequences: the other 6 would wait for it for nothing
+    assert draft_k([(0.94, 4)] * 2, num_rows=8, cost_ratio=0.7) == 0
+    assert draft_k([(0.94, 4)] * 8, num_rows=8, cost_ratio=0.7) == 3
+    assert draft_k([], num_rows=4, cost_ratio=0.0) == 0
+
+
+def test_a_draft_as_dear_as_the_model_never_proposes(tiny_llama_dir: Path) -> None:
+    """A draft pass that costs a plain step (draft_cost_ratio 1, as the model drafting for itself would
+    measure on a model large enough that its step is the work) never pays, however right it is."""
+    config = {**TINY, "draft_cost_ratio": 1.0}
+    engine = make_engine(tiny_llama_dir, speculative="draft", draft_model=str(tiny_llama_dir), **config)
+    engine.generate(repetitive_prompts(512, 1, 3), SamplingParams(max_new_tokens=16))
+    assert engine.spec_proposed_total == 0 and engine.draft_steps_skipped > 0
+
+
+def test_a_cheap_draft_that_is_always_wrong_switches_itself_off(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """A small random draft is cheap (it proposes at first) and wrong: the engine's acceptance estimate falls
+    until its proposals no longer pay, then it stops proposing."""
+    draft = save_tiny(tmp_path / "small", "llama", hidden_size=16, intermediate_size=32, num_hidden_layers=1, seed=5)
+    config = {**TINY, "draft_cost_ratio": None}
+    engine = make_engine(tiny_llama_dir, speculative="draft", draft_model=str(draft), **config)
+    assert engine.draft is not None and engine.draft.weight_bytes < engine.target_weight_bytes / 3
+    prompts = repetitive_prompts(512, 6, 8)
+    engine.generate(prompts[:4], SamplingParams(max_new_tokens=32))
+    early = engine.spec_proposed_total
+    assert early > 0 and engine.draft_acceptance < 0.5
+    engine.generate(prompts[4:], SamplingParams(max_new_tokens=32))
+    assert engine.spec_proposed_total - early < early / 4 and engine.draft_steps_skipped > 0

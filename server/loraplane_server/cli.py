@@ -70,6 +70,13 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         help="a smaller model with the target's tokenizer for --speculative draft (and requests that ask for "
         "it): the same sources as --model, resolved through the same model cache",
     )
+    p.add_argument(
+        "--draft-cost-ratio",
+        type=float,
+        default=None,
+        help="a draft pass's time over a plain decode step's, for whether a step's draft proposals pay "
+        "(default: measured as the server runs; 0: the draft always proposes)",
+    )
     p.add_argument("--speculative-k", type=int, default=4, help="most tokens a sequence proposes a step")
     p.add_argument(
         "--speculative-max-step-tokens",
@@ -101,6 +108,7 @@ def _config(a: argparse.Namespace) -> EngineConfig:
         layer_backend=a.layer_backend,
         speculative=a.speculative,
         draft_model=a.draft_model,
+        draft_cost_ratio=a.draft_cost_ratio,
         speculative_k=a.speculative_k,
         speculative_max_step_tokens=a.speculative_max_step_tokens,
     )
@@ -200,6 +208,7 @@ def _server_config(a: argparse.Namespace):  # noqa: ANN202 - imported lazily: ch
         layer_backend=a.layer_backend,
         speculative=a.speculative,
         draft_model=a.draft_model,
+        draft_cost_ratio=a.draft_cost_ratio,
         speculative_k=a.speculative_k,
         speculative_max_step_tokens=a.speculative_max_step_tokens,
     )

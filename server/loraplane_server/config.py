@@ -52,6 +52,9 @@ class EngineConfig:
     # a smaller model with the target's tokenizer (same sources as `model`) for speculative="draft": loaded next
     # to the target, run without adapters, its KV cache in the target's blocks (draft.py); None: no draft method
     draft_model: str | None = None
+    # a draft pass's time over a plain decode step's, for whether a step's draft proposals pay (speculative.py
+    # draft_pays): None measures it as the engine runs (the bytes each model reads until then); 0 always drafts
+    draft_cost_ratio: float | None = None
     speculative_k: int = 4
     speculative_max_step_tokens: int = 32
 
@@ -78,6 +81,8 @@ class EngineConfig:
             raise ValueError(f"speculative={self.speculative!r}: expected off, ngram or draft")
         if self.speculative == "draft" and not self.draft_model:
             raise ValueError("speculative=draft needs a draft_model (--draft-model)")
+        if self.draft_cost_ratio is not None and not 0 <= self.draft_cost_ratio <= 100:
+            raise ValueError("draft_cost_ratio must be in [0, 100] (None: measured)")
         if self.speculative_k < 1 or self.speculative_max_step_tokens < 1:
             raise ValueError("speculative_k and speculative_max_step_tokens must be >= 1")
         if not isinstance(self.fuse_layers, bool):

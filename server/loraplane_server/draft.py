@@ -22,7 +22,9 @@ exactly that of plain sampling, as it does for prompt lookup.
 
 from __future__ import annotations
 
+import itertools
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,8 +36,14 @@ from loraplane_server.forward_batch import ForwardBatch, PrefillChunk
 from loraplane_server.models.args import ModelArgs
 from loraplane_server.models.llama import LlamaForCausalLM
 from loraplane_server.sequence import Sequence
+from loraplane_server.speculative import moving_average
 
 log = logging.getLogger("loraplane.draft")
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """The bytes a forward pass reads at least once: every parameter and buffer (int8 weights are buffers)."""
+    return sum(t.numel() * t.element_size() for t in itertools.chain(model.parameters(), model.buffers()))
 
 
 class DraftModelError(ValueError):
@@ -108,6 +116,8 @@ class DraftModel:
         )  # [L, 2, N, B, KVH, D], indexed by the target's block ids
         self.vocab_size = min(target_vocab_size, a.vocab_size)  # ids both models know
         model.use_backends(backends)
+        self.weight_bytes = weight_bytes(model)
+        self.pass_seconds: float | None = None  # a single-token pass's time, moving average (the engine's cost model)
         self.num_passes = 0  # forward passes, for tests and the bench
         self.num_tokens = 0  # tokens those passes computed
 
@@ -140,9 +150,12 @@ class DraftModel:
     def _greedy(self, items: list[tuple[Sequence, list[int], int]]) -> list[int]:
         """One pass over items (sequence, tokens, first position), each reading its own cached context; the
         argmax after each item's last token, in item order."""
+        start = time.perf_counter()
         ids, batch, order = self._batch(items)
         logits = self.model(ids, self.kv_caches, batch)  # [len(items), V], rows in `order`
         best = logits[:, : self.vocab_size].argmax(dim=-1).tolist()
+        if len(ids) == len(items):  # single tokens: what each of a proposal's later passes costs
+            self.pass_seconds = moving_average(self.pass_seconds, time.perf_counter() - start)
         self.num_passes += 1
         self.num_tokens += len(ids)
         out = [0] * len(items)

@@ -20,7 +20,7 @@ from loraplane_server import cpu_features
 from loraplane_server.backends import resolve_backends
 from loraplane_server.block_manager import BlockManager
 from loraplane_server.config import EngineConfig
-from loraplane_server.draft import DraftModel, DraftRun, check_vocabulary
+from loraplane_server.draft import DraftModel, DraftRun, check_vocabulary, weight_bytes
 from loraplane_server.errors import (
     EmptyPromptError,
     InvalidPromptError,
@@ -45,7 +45,7 @@ from loraplane_server.sampler import make_generator
 from loraplane_server.sampling_params import SamplingParams
 from loraplane_server.scheduler import Scheduler
 from loraplane_server.sequence import FinishReason, Sequence, SequenceStatus
-from loraplane_server.speculative import SpecState, cap_proposal, spare_tokens
+from loraplane_server.speculative import SpecState, cap_proposal, draft_k, moving_average, spare_tokens
 from loraplane_server.user_cache import cache_root
 
 log = logging.getLogger("loraplane.engine")
@@ -130,6 +130,7 @@ class LLMEngine:
             self.lora_slots,
         )
         self.draft: DraftModel | None = None
+        self.target_weight_bytes = weight_bytes(model)
         if draft_dir is not None:
             phase("loading the draft model")
             draft = load_model(draft_dir, self.dtype, self.device, self.draft_max_len)
@@ -160,6 +161,9 @@ class LLMEngine:
         self.last_step_tokens = 0
         self.spec_proposed_total = 0  # speculative tokens proposed and accepted, every request together
         self.spec_accepted_total = 0
+        self.decode_step_seconds: float | None = None  # a decode-only pass's time, moving average (draft cost model)
+        self.draft_acceptance = 0.9  # recent draft runs' acceptance, moving average: a new sequence's estimate
+        self.draft_steps_skipped = 0  # steps whose draft proposals would not pay (draft_k), for tests and the bench
 
     def describe(self) -> str:
         """One line of what runs where: the CPU (or device), dtype, the kernels' ISA, every backend."""
@@ -266,7 +270,11 @@ class LLMEngine:
             if not outputs and self.scheduler.num_waiting:
                 self.adapters.wait_for_completion(0.01)  # only adapter loads can unblock the queue
             return outputs
+        decoding = all(s.num_computed_tokens == len(s) - 1 for s, _ in scheduled)
+        start = time.perf_counter()
         samplers, tokens, logprobs = self.runner.run(scheduled)
+        if decoding:
+            self.decode_step_seconds = moving_average(self.decode_step_seconds, time.perf_counter() - start)
         self.num_steps += 1
         now = time.monotonic()
         for seq, n in scheduled:
@@ -310,6 +318,9 @@ class LLMEngine:
         num_tokens = min(sum(s.num_uncomputed_tokens for s in running), self.config.max_num_batched_tokens)
         spare = spare_tokens(num_tokens, self.config.speculative_max_step_tokens)
         catch_up = self.config.max_num_batched_tokens  # the draft's tokens this step, before its proposals
+        # the draft's passes cost the same however many sequences use them: the spare tokens shared evenly
+        num_drafting = sum(1 for s in running if s.spec is not None and s.spec.method == "draft")
+        draft_share = max(1, spare // num_drafting) if num_drafting else 0
         proposing: list[Sequence] = []
         catching_up: list[tuple[Sequence, int]] = []
         for seq in running:
@@ -322,6 +333,8 @@ class LLMEngine:
                 spare,
                 cap_proposal(seq.spec.k, seq.num_output_tokens, seq.params.max_new_tokens, len(seq), max_len),
             )
+            if seq.spec.method == "draft":
+                k = min(k, draft_share)
             if k <= 0:
                 continue
             if seq.spec.method == "ngram":
@@ -335,7 +348,27 @@ class LLMEngine:
             if seq.spec.proposed:
                 spare -= len(seq.spec.proposed)
                 proposing.append(seq)
+        drafting = [s for s in proposing if s.spec is not None and s.spec.method == "draft"]
+        if drafting:
+            estimates = [(s.spec.acceptance(self.draft_acceptance), len(s.spec.proposed)) for s in drafting if s.spec]
+            k = draft_k(estimates, len(running), self._draft_cost())
+            for seq in drafting:
+                assert seq.spec is not None
+                del seq.spec.proposed[k:]
+            if k == 0:
+                self.draft_steps_skipped += 1
+                proposing = [s for s in proposing if s not in drafting]
         return proposing, catching_up
+
+    def _draft_cost(self) -> float:
+        """A draft pass's time over a plain decode step's: measured once both have run, until then the
+        ratio of the bytes each reads (what a step bound by reading the weights costs)."""
+        assert self.draft is not None
+        if self.config.draft_cost_ratio is not None:
+            return self.config.draft_cost_ratio
+        if self.draft.pass_seconds is not None and self.decode_step_seconds is not None:
+            return self.draft.pass_seconds / self.decode_step_seconds
+        return self.draft.weight_bytes / self.target_weight_bytes
 
     def _draft_proposals(self, scheduled: list[tuple[Sequence, int]], catching_up: list[tuple[Sequence, int]]) -> None:
         """The draft model's tokens in place of the placeholders the scheduler kept (k each, in one batched
@@ -361,6 +394,10 @@ class LLMEngine:
         # the draft's K/V holds after the last token only where its input was the token accepted there
         seq.spec.draft_computed = min(seq.spec.draft_computed, len(seq) + len(tokens) - 1)
         seq.spec.adapt(len(seq.spec.proposed), len(tokens) - 1)
+        if seq.spec.method == "draft":
+            self.draft_acceptance = moving_average(
+                self.draft_acceptance, (len(tokens) - 1) / len(seq.spec.proposed), weight=0.05
+            )
         self.spec_proposed_total += len(seq.spec.proposed)
         self.spec_accepted_total += len(tokens) - 1
         seq.spec.proposed = []

@@ -75,6 +75,11 @@ class SpecState:
     def __post_init__(self) -> None:
         self.k = self.k or self.max_k
 
+    def acceptance(self, prior: float, weight: int = 4) -> float:
+        """The chance a proposal is accepted, from this sequence's own history (a new one starts at `prior`,
+        worth `weight` proposals: the engine's recent acceptance for the method)."""
+        return (self.num_accepted + prior * weight) / (self.num_proposed + weight)
+
     def adapt(self, num_proposed: int, num_accepted: int) -> None:
         """Count a verified run; grow k after a fully accepted one, shrink it after a rejection."""
         self.num_proposed += num_proposed
@@ -95,3 +100,29 @@ def cap_proposal(k: int, num_output: int, max_new_tokens: int, length: int, max_
     """k within what the request may still emit: k accepted tokens plus the model's own one must fit in
     max_new_tokens and in the context."""
     return max(0, min(k, max_new_tokens - num_output - 1, max_model_len - length - 1))
+
+
+def expected_accepted(acceptance: float, k: int) -> float:
+    """Proposals expected to be accepted of k, each accepted with chance `acceptance` after the ones before."""
+    return sum(acceptance**j for j in range(1, k + 1))
+
+
+def draft_k(proposals: list[tuple[float, int]], num_rows: int, cost_ratio: float) -> int:
+    """How many tokens the draft should propose this step (0: none), for proposals (acceptance, k) of the
+    sequences that would draft among num_rows sequences in the step. Every sequence waits for the draft's
+    passes, each cost_ratio x a plain step: a plain step gives num_rows tokens; drafting k gives num_rows +
+    the expected accepted tokens in (1 + k x cost_ratio) steps' time (verifying k + 1 rows costs what one
+    row does while the step is bound by reading the weights, below the step-token cap). The k with the
+    best rate, if it beats plain decoding."""
+    best, best_rate = 0, 1.0
+    for k in range(1, max((k for _, k in proposals), default=0) + 1):
+        tokens = num_rows + sum(expected_accepted(a, min(k, ki)) for a, ki in proposals)
+        rate = tokens / (num_rows * (1 + k * cost_ratio))
+        if rate > best_rate:
+            best, best_rate = k, rate
+    return best
+
+
+def moving_average(old: float | None, new: float, weight: float = 0.1) -> float:
+    """An exponential moving average (the first value as it is)."""
+    return new if old is None else old + weight * (new - old)
