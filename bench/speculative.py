@@ -137,9 +137,10 @@ def measure(engines: dict[str, LLMEngine], w: Workload, ew: EngineWorkload, roun
                 raw[mode].setdefault(f"grounded_b{b}", []).append(run_grounded(engine, prompts, b, new_tokens))
         for mode, engine in engines.items():
             reqs = make_requests(pool, w, f"spec-{r}", True)
-            before = engine.spec_proposed_total
+            before, preempted = engine.spec_proposed_total, engine.scheduler.num_preemptions
             result = run_ours(engine, reqs)
             result["proposed"] = engine.spec_proposed_total - before
+            result["preemptions"] = engine.scheduler.num_preemptions - preempted
             raw[mode].setdefault("multi_adapter", []).append(result)
     systems = {
         mode: {

@@ -23,7 +23,7 @@ from loraplane_server.draft import DraftModelError, check_vocabulary
 from loraplane_server.errors import InvalidRequestError
 from loraplane_server.model_runner import kv_block_bytes
 from loraplane_server.sampling_params import SamplingParams
-from loraplane_server.speculative import draft_k, expected_accepted
+from loraplane_server.speculative import DraftGate, draft_k, expected_accepted
 
 # draft_cost_ratio 0: the draft proposes whenever it can (its cost model is tested on its own below)
 TINY = dict(
@@ -222,3 +222,25 @@ def test_a_cheap_draft_that_is_always_wrong_switches_itself_off(tiny_llama_dir: 
     assert early > 0 and engine.draft_acceptance < 0.5
     engine.generate(prompts[4:], SamplingParams(max_new_tokens=32))
     assert engine.spec_proposed_total - early < early / 4 and engine.draft_steps_skipped > 0
+
+
+def test_the_gate_takes_the_faster_side_and_retries_the_other_less_often() -> None:
+    gate = DraftGate(explore=4, burst=2, max_explore=16)
+    rows = 3
+    choices = []
+    for _ in range(60):
+        on = gate.allow(rows)
+        choices.append(on)
+        gate.record(rows, on, tokens=3, seconds=0.02 if on else 0.01)  # drafting: half the tokens/s
+    assert choices[:4] == [True, True, False, False]  # each side a burst first, the draft's first
+    assert not gate.retrying(rows)
+    retries = [i for i in range(4, 60) if choices[i]]
+    assert 4 <= len(retries) <= 12  # bursts of 2, further and further apart
+    gaps = [b - a for a, b in zip(retries, retries[1:], strict=False) if b - a > 1]
+    assert gaps == sorted(gaps) and gaps[-1] > gaps[0]
+    # the draft gets faster: after its next retry it wins and runs from then on
+    for _ in range(40):
+        on = gate.allow(rows)
+        gate.record(rows, on, tokens=3, seconds=0.005 if on else 0.01)
+    assert all(gate.allow(rows) for _ in range(3))
+    assert gate.bucket(3) == gate.bucket(2) != gate.bucket(4)  # sizes in powers of two

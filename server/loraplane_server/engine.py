@@ -45,7 +45,7 @@ from loraplane_server.sampler import make_generator
 from loraplane_server.sampling_params import SamplingParams
 from loraplane_server.scheduler import Scheduler
 from loraplane_server.sequence import FinishReason, Sequence, SequenceStatus
-from loraplane_server.speculative import SpecState, cap_proposal, draft_k, moving_average, spare_tokens
+from loraplane_server.speculative import DraftGate, SpecState, cap_proposal, draft_k, moving_average, spare_tokens
 from loraplane_server.user_cache import cache_root
 
 log = logging.getLogger("loraplane.engine")
@@ -163,7 +163,9 @@ class LLMEngine:
         self.spec_accepted_total = 0
         self.decode_step_seconds: float | None = None  # a decode-only pass's time, moving average (draft cost model)
         self.draft_acceptance = 0.9  # recent draft runs' acceptance, moving average: a new sequence's estimate
-        self.draft_steps_skipped = 0  # steps whose draft proposals would not pay (draft_k), for tests and the bench
+        self.draft_steps_skipped = 0  # steps whose draft proposals would not pay (draft_k, the gate): tests, bench
+        self.draft_gate = DraftGate()
+        self._gated: int | None = None  # this step's sequences when the gate decided, for its measurement
 
     def describe(self) -> str:
         """One line of what runs where: the CPU (or device), dtype, the kernels' ISA, every backend."""
@@ -258,12 +260,14 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         outputs, self._aborted = self._aborted, []
         outputs += self.orchestrator.poll()
+        self._gated = None
         proposing, catching_up = self._propose()
         plan = self.scheduler.schedule()
         self.adapters.stats.hits["device"] += plan.slot_hits
         outputs += self.orchestrator.load_slots(plan.slot_loads)
         scheduled = [(s, n) for s, n in plan.scheduled if not s.is_finished]
-        self._draft_proposals(scheduled, catching_up)
+        start = time.perf_counter()
+        drafted = self._draft_proposals(scheduled, catching_up)
         self.last_step_tokens = sum(n for _, n in scheduled)
         if not scheduled:
             self._drop_proposals(proposing)
@@ -271,10 +275,13 @@ class LLMEngine:
                 self.adapters.wait_for_completion(0.01)  # only adapter loads can unblock the queue
             return outputs
         decoding = all(s.num_computed_tokens == len(s) - 1 for s, _ in scheduled)
-        start = time.perf_counter()
+        run_start = time.perf_counter()
         samplers, tokens, logprobs = self.runner.run(scheduled)
+        end = time.perf_counter()
         if decoding:
-            self.decode_step_seconds = moving_average(self.decode_step_seconds, time.perf_counter() - start)
+            self.decode_step_seconds = moving_average(self.decode_step_seconds, end - run_start)
+            if self._gated is not None:  # the draft's catch-ups count: what switching it on costs
+                self.draft_gate.record(self._gated, drafted, sum(map(len, tokens)), end - start)
         self.num_steps += 1
         now = time.monotonic()
         for seq, n in scheduled:
@@ -309,18 +316,16 @@ class LLMEngine:
     def _propose(self) -> tuple[list[Sequence], list[tuple[Sequence, int]]]:
         """Proposals for the decoding sequences that speculate, while the step's tokens stay under
         speculative_max_step_tokens (a larger step is compute-bound): prompt lookup's now; for the draft's,
-        k placeholders the scheduler fits to the step before the draft fills them (_draft_proposals). The
-        sequences given some, and the draft sequences too far behind to propose: (sequence, the position
-        their catch-up reaches this step)."""
+        k placeholders the scheduler fits to the step before the draft fills them (_draft_proposals), in the
+        steps where the draft pays (_draft_plan). The sequences given some, and the draft sequences too far
+        behind to propose: (sequence, the position their catch-up reaches this step)."""
         running = self.scheduler.running
         if not any(s.spec is not None for s in running):
             return [], []
         num_tokens = min(sum(s.num_uncomputed_tokens for s in running), self.config.max_num_batched_tokens)
         spare = spare_tokens(num_tokens, self.config.speculative_max_step_tokens)
-        catch_up = self.config.max_num_batched_tokens  # the draft's tokens this step, before its proposals
-        # the draft's passes cost the same however many sequences use them: the spare tokens shared evenly
-        num_drafting = sum(1 for s in running if s.spec is not None and s.spec.method == "draft")
-        draft_share = max(1, spare // num_drafting) if num_drafting else 0
+        draft_share, warm_only = self._draft_plan(running, spare)
+        catch_up = self.config.max_num_batched_tokens  # the draft's tokens this step before its proposals
         proposing: list[Sequence] = []
         catching_up: list[tuple[Sequence, int]] = []
         for seq in running:
@@ -334,7 +339,7 @@ class LLMEngine:
                 cap_proposal(seq.spec.k, seq.num_output_tokens, seq.params.max_new_tokens, len(seq), max_len),
             )
             if seq.spec.method == "draft":
-                k = min(k, draft_share)
+                k = min(k, draft_share) if seq.spec.draft_computed or not warm_only else 0
             if k <= 0:
                 continue
             if seq.spec.method == "ngram":
@@ -360,6 +365,26 @@ class LLMEngine:
                 proposing = [s for s in proposing if s not in drafting]
         return proposing, catching_up
 
+    def _draft_plan(self, running: list[Sequence], spare: int) -> tuple[int, bool]:
+        """Whether the draft runs this step: the most proposals each drafting sequence may get (the draft's
+        passes cost the same however many sequences use them: the spare tokens shared evenly; 0: the draft
+        does not run), and whether only sequences the draft has read before take part. With a measured cost
+        the gate decides by the tokens/s of steps with and without the draft; its retries of the draft leave
+        out sequences it never read (a retry is not worth reading every new prompt)."""
+        drafting = [
+            s for s in running if s.spec is not None and s.spec.method == "draft" and s.num_uncomputed_tokens == 1
+        ]
+        if not drafting or spare <= 0:
+            return 0, False
+        warm_only = False
+        if self.config.draft_cost_ratio is None:
+            self._gated = len(running)
+            if not self.draft_gate.allow(len(running)):
+                self.draft_steps_skipped += 1
+                return 0, False
+            warm_only = self.draft_gate.retrying(len(running))
+        return max(1, spare // len(drafting)), warm_only
+
     def _draft_cost(self) -> float:
         """A draft pass's time over a plain decode step's: measured once both have run, until then the
         ratio of the bytes each reads (what a step bound by reading the weights costs)."""
@@ -370,9 +395,10 @@ class LLMEngine:
             return self.draft.pass_seconds / self.decode_step_seconds
         return self.draft.weight_bytes / self.target_weight_bytes
 
-    def _draft_proposals(self, scheduled: list[tuple[Sequence, int]], catching_up: list[tuple[Sequence, int]]) -> None:
+    def _draft_proposals(self, scheduled: list[tuple[Sequence, int]], catching_up: list[tuple[Sequence, int]]) -> bool:
         """The draft model's tokens in place of the placeholders the scheduler kept (k each, in one batched
-        catch-up pass then k - 1 single-token passes), and the catch-ups of sequences too far behind."""
+        catch-up pass then k - 1 single-token passes), and the catch-ups of sequences too far behind. Whether
+        the draft ran."""
         runs = [
             DraftRun(seq, len(seq), len(seq.spec.proposed))
             for seq, _ in scheduled
@@ -380,12 +406,13 @@ class LLMEngine:
         ]
         runs += [DraftRun(seq, end, 0) for seq, end in catching_up if seq.status == SequenceStatus.RUNNING]
         if not runs:
-            return
+            return False
         assert self.draft is not None
         for run, tokens in zip(runs, self.draft.propose(runs), strict=True):
             if run.k:
                 assert run.seq.spec is not None
                 run.seq.spec.proposed = tokens
+        return True
 
     def _accept(self, seq: Sequence, tokens: list[int], logprobs: list[float]) -> list[RequestOutput]:
         """A verified run: the accepted proposals and the model's own token, one by one through the finish

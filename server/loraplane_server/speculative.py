@@ -126,3 +126,60 @@ def draft_k(proposals: list[tuple[float, int]], num_rows: int, cost_ratio: float
 def moving_average(old: float | None, new: float, weight: float = 0.1) -> float:
     """An exponential moving average (the first value as it is)."""
     return new if old is None else old + weight * (new - old)
+
+
+@dataclass
+class DraftGate:
+    """Whether the draft runs in a step, learnt per step size (its sequences, in powers of two): the tokens per
+    second of decode steps with the draft and without (the draft's passes, its catch-ups, verification and all),
+    moving averages; the faster is taken. The slower is retried now and then so that a change shows: after
+    `explore` decisions, then twice as long each time it loses again (up to `max_explore`), since a retried
+    draft pays to catch up with every sequence. Where a step is bound by compute, or sequences that do not
+    draft would wait on the draft's passes, the draft loses and stays off."""
+
+    explore: int = 16
+    max_explore: int = 1024
+    burst: int = 8  # decisions a retry lasts: its first step pays the catch-up, the rest show the steady rate
+    rates: dict[int, list[float | None]] = field(default_factory=dict)  # bucket -> [without, with], tokens/s
+    decisions: dict[int, int] = field(default_factory=dict)
+    retry_at: dict[int, int] = field(default_factory=dict)  # the decision that retries the slower side
+    retry_until: dict[int, int] = field(default_factory=dict)
+    interval: dict[int, int] = field(default_factory=dict)
+    faster: dict[int, bool] = field(default_factory=dict)
+
+    @staticmethod
+    def bucket(num_seqs: int) -> int:
+        return num_seqs.bit_length()
+
+    def allow(self, num_seqs: int) -> bool:
+        b = self.bucket(num_seqs)
+        off, on = self.rates.setdefault(b, [None, None])
+        n = self.decisions[b] = self.decisions.get(b, 0) + 1
+        if n < self.retry_until.get(b, 0):
+            return not self.faster[b]
+        if on is None or off is None:  # each side for a burst first, the draft's first
+            self.faster[b] = on is not None
+            self.retry_until[b] = n + self.burst
+            self.interval[b] = self.explore
+            self.retry_at[b] = n + self.burst + self.explore
+            return on is None
+        faster = on > off
+        if self.faster.get(b) != faster:  # a new winner: retry the other side soon
+            self.faster[b], self.interval[b] = faster, self.explore
+            self.retry_at[b] = n + self.explore
+        if n < self.retry_at[b]:
+            return faster
+        self.interval[b] = min(2 * self.interval[b], self.max_explore)
+        self.retry_until[b] = n + self.burst
+        self.retry_at[b] = n + self.burst + self.interval[b]
+        return not faster
+
+    def retrying(self, num_seqs: int) -> bool:
+        """Whether the last decision for this size retried the draft (its first try is not a retry)."""
+        b = self.bucket(num_seqs)
+        first = self.rates.get(b, [None, None])[1] is None
+        return not first and self.decisions.get(b, 0) < self.retry_until.get(b, 0) and not self.faster.get(b, False)
+
+    def record(self, num_seqs: int, drafted: bool, tokens: int, seconds: float) -> None:
+        rates = self.rates.setdefault(self.bucket(num_seqs), [None, None])
+        rates[drafted] = moving_average(rates[drafted], tokens / max(seconds, 1e-9), weight=0.2)
