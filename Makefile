@@ -42,12 +42,13 @@ test: model lint
 # What an AVX2-only CPU runs, on any x86 machine (server/loraplane_server/cpu_features.py): the
 # kernels' avx2 target (x86-64-v3) loaded, the AVX-512 flags hidden from the engine, torch's own kernels
 # capped. The engine's, kernels' and adapters' tests; the HTTP, source, operator and chart tests exercise
-# no ISA-specific code beyond what these do, so the first pass covers them.
+# no ISA-specific code beyond what these do, so the first pass covers them; so do the slow tests marked
+# isa_agnostic (fp32 reference comparisons, checkpoint conversions).
 AVX2_SKIP := --ignore-glob='tests/test_http_*.py' --ignore-glob='tests/test_operator_*.py' \
 	--ignore-glob='tests/test_sources*.py' --ignore-glob='tests/test_model_s*.py' --ignore=tests/test_helm_chart.py --ignore=tests/test_crds.py \
 	--ignore=tests/test_dockerfiles.py --ignore=tests/test_router_http.py
 test-avx2: model
-	LORAPLANE_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 $(BIN)/pytest -q tests $(AVX2_SKIP) $(PYTEST_ARGS)
+	LORAPLANE_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 $(BIN)/pytest -q tests $(AVX2_SKIP) -m "not isa_agnostic" $(PYTEST_ARGS)
 
 e2e: model
 	e2e/build_control_plane.sh

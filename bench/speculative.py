@@ -57,7 +57,10 @@ TARGET_BATCH1 = 1.5
 TARGET_MULTI_ADAPTER = 0.95
 GROUNDED_BATCHES = (1, 4, 16)
 STEP_ROWS = (1, 2, 4, 8, 16, 32, 64)
-MODES = ("off", "ngram", "draft")
+# draft_always: the same draft told it costs nothing (draft_cost_ratio 0), on every step it can be: what the
+# draft path gives where it runs, against what the gate makes of it (grounded prompts only)
+MODES = ("off", "ngram", "draft", "draft_always")
+GROUNDED_ONLY = ("draft_always",)
 PROMPTS = Path(__file__).parent / "data" / "speculative_prompts.json"
 
 
@@ -75,8 +78,12 @@ def make_engine(mode: str, w: Workload, tmp: Path, threads: int | None) -> LLMEn
     """The multi-adapter workload's engine (every adapter a device slot) with speculation `mode` (the same KV
     bytes for each: the draft's engine shares them between both models' K/V)."""
     config = engine_config(replace(w, max_loras=w.num_adapters), tmp, mode, 1 << 30)
-    draft = str(q8_0_draft()) if mode == "draft" else None
-    return LLMEngine(replace(config, num_threads=threads, speculative=mode, draft_model=draft))
+    if mode.startswith("draft"):
+        cost = 0.0 if mode == "draft_always" else None
+        config = replace(config, speculative="draft", draft_model=str(q8_0_draft()), draft_cost_ratio=cost)
+    else:
+        config = replace(config, speculative=mode)
+    return LLMEngine(replace(config, num_threads=threads))
 
 
 def grounded_prompts(engine: LLMEngine) -> list[list[int]]:
@@ -136,6 +143,8 @@ def measure(engines: dict[str, LLMEngine], w: Workload, ew: EngineWorkload, roun
             for mode, engine in engines.items():
                 raw[mode].setdefault(f"grounded_b{b}", []).append(run_grounded(engine, prompts, b, new_tokens))
         for mode, engine in engines.items():
+            if mode in GROUNDED_ONLY:
+                continue
             reqs = make_requests(pool, w, f"spec-{r}", True)
             before, preempted = engine.spec_proposed_total, engine.scheduler.num_preemptions
             result = run_ours(engine, reqs)
@@ -165,11 +174,11 @@ def plot(result: dict, path: Path) -> str | None:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     x = range(len(names))
     width = 0.8 / len(MODES)
+    labels_of = {"draft": "draft (own Q8_0), gated", "draft_always": "draft (own Q8_0), always"}
     for i, mode in enumerate(MODES):
-        rates = [result["systems"][mode][n]["tokens_per_s"] for n in names]
+        rates = [result["systems"][mode].get(n, {}).get("tokens_per_s", 0.0) for n in names]
         offset = (i - (len(MODES) - 1) / 2) * width
-        label = "speculative draft (own Q8_0)" if mode == "draft" else f"speculative {mode}"
-        axes[0].bar([k + offset for k in x], rates, width=width, label=label)
+        axes[0].bar([k + offset for k in x], rates, width=width, label=labels_of.get(mode, f"speculative {mode}"))
     axes[0].set_xticks(list(x), labels, fontsize=8)
     axes[0].set_ylabel("tokens/s")
     axes[0].legend()
@@ -200,7 +209,7 @@ def run(w: Workload, ew: EngineWorkload, rounds: int, new_tokens: int, threads: 
         with torch.inference_mode():
             result = measure(engines, w, ew, rounds, new_tokens)
         rate = {mode: {n: x["tokens_per_s"] for n, x in by.items()} for mode, by in result["systems"].items()}
-        ratios = {mode: {n: round(rate[mode][n] / rate["off"][n], 3) for n in rate["off"]} for mode in MODES[1:]}
+        ratios = {mode: {n: round(rate[mode][n] / rate["off"][n], 3) for n in rate[mode]} for mode in MODES[1:]}
         engine = engines["draft"]
         cfg = engine.config
         return {

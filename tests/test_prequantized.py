@@ -183,6 +183,7 @@ def projections(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+@pytest.mark.isa_agnostic
 @pytest.mark.parametrize(
     ("strategy", "fmt"),
     [("channel", "pack-quantized"), ("group", "pack-quantized"), ("channel", "int-quantized")],
@@ -258,6 +259,7 @@ def q8_0(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return gguf_file, resolve(str(gguf_file), root / "cache")
 
 
+@pytest.mark.isa_agnostic
 def test_q8_0_gguf_converts_to_int8_without_a_float_copy(q8_0: tuple[Path, Path]) -> None:
     """The converted directory keeps each projection's Q8_0 bytes as int8 with its 32-weight scales (no
     dequantization), announced as compressed-tensors; dequantized, they are exactly what transformers' GGUF

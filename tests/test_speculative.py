@@ -295,6 +295,7 @@ def chi_square_p(a: list[int], b: list[int]) -> float:
     return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(stat / 2)))
 
 
+@pytest.mark.isa_agnostic
 @METHODS
 def test_sampled_token_distribution_matches_plain_sampling(tiny_llama_dir: Path, method: str) -> None:
     """Temperature 0.5, top-k 2 after a prompt ending in the model's own greedy loop: proposals are accepted
@@ -342,6 +343,7 @@ SMOL_PROMPTS = [
 ]
 
 
+@pytest.mark.isa_agnostic
 def test_smollm2_greedy_equal_with_an_adapter_and_a_stop_string_inside_a_run(smollm2_dir: Path, tmp_path: Path) -> None:
     adapter = make_peft_adapter(smollm2_dir, tmp_path / "a", seed=0, b_scale=0.05, **ADAPTER_SPECS["qv-r4"])
     engine = make_engine(smollm2_dir, speculative="ngram")

@@ -324,8 +324,7 @@ class LLMEngine:
             return [], []
         num_tokens = min(sum(s.num_uncomputed_tokens for s in running), self.config.max_num_batched_tokens)
         spare = spare_tokens(num_tokens, self.config.speculative_max_step_tokens)
-        draft_share, warm_only = self._draft_plan(running, spare)
-        catch_up = self.config.max_num_batched_tokens  # the draft's tokens this step before its proposals
+        draft_share, catch_up, retrying = self._draft_plan(running, spare)
         proposing: list[Sequence] = []
         catching_up: list[tuple[Sequence, int]] = []
         for seq in running:
@@ -339,7 +338,7 @@ class LLMEngine:
                 cap_proposal(seq.spec.k, seq.num_output_tokens, seq.params.max_new_tokens, len(seq), max_len),
             )
             if seq.spec.method == "draft":
-                k = min(k, draft_share) if seq.spec.draft_computed or not warm_only else 0
+                k = min(k, draft_share)
             if k <= 0:
                 continue
             if seq.spec.method == "ngram":
@@ -347,7 +346,7 @@ class LLMEngine:
             elif (lag := len(seq) - seq.spec.draft_computed) <= catch_up:
                 seq.spec.proposed = [0] * k  # placeholders until the draft runs
                 catch_up -= lag
-            elif catch_up > 0:  # a long catch-up (a prompt, a preemption) spread over steps, no proposals
+            elif catch_up > 0 and not retrying:  # a long catch-up (a prompt, a preemption) spread over steps
                 catching_up.append((seq, seq.spec.draft_computed + catch_up))
                 catch_up = 0
             if seq.spec.proposed:
@@ -360,30 +359,34 @@ class LLMEngine:
             for seq in drafting:
                 assert seq.spec is not None
                 del seq.spec.proposed[k:]
-            if k == 0:
+            if k == 0:  # nor catch-ups: the draft reads nothing in a step it does not propose in
                 self.draft_steps_skipped += 1
                 proposing = [s for s in proposing if s not in drafting]
+                catching_up = []
         return proposing, catching_up
 
-    def _draft_plan(self, running: list[Sequence], spare: int) -> tuple[int, bool]:
+    def _draft_plan(self, running: list[Sequence], spare: int) -> tuple[int, int, bool]:
         """Whether the draft runs this step: the most proposals each drafting sequence may get (the draft's
         passes cost the same however many sequences use them: the spare tokens shared evenly; 0: the draft
-        does not run), and whether only sequences the draft has read before take part. With a measured cost
-        the gate decides by the tokens/s of steps with and without the draft; its retries of the draft leave
-        out sequences it never read (a retry is not worth reading every new prompt)."""
+        does not run), the tokens it may catch up on first, and whether this is the gate retrying it. With a
+        measured cost the gate decides by the tokens/s of steps with and without the draft; a retry catches
+        up an eighth of a step's tokens at most, and only sequences that fit take part (a retry is not worth
+        reading every new prompt)."""
         drafting = [
             s for s in running if s.spec is not None and s.spec.method == "draft" and s.num_uncomputed_tokens == 1
         ]
         if not drafting or spare <= 0:
-            return 0, False
-        warm_only = False
+            return 0, 0, False
+        catch_up, retrying = self.config.max_num_batched_tokens, False
         if self.config.draft_cost_ratio is None:
             self._gated = len(running)
             if not self.draft_gate.allow(len(running)):
                 self.draft_steps_skipped += 1
-                return 0, False
-            warm_only = self.draft_gate.retrying(len(running))
-        return max(1, spare // len(drafting)), warm_only
+                return 0, 0, False
+            retrying = self.draft_gate.retrying(len(running))
+            if retrying:
+                catch_up = max(self.config.speculative_max_step_tokens, catch_up // 8)
+        return max(1, spare // len(drafting)), catch_up, retrying
 
     def _draft_cost(self) -> float:
         """A draft pass's time over a plain decode step's: measured once both have run, until then the

@@ -139,7 +139,8 @@ class DraftGate:
 
     explore: int = 16
     max_explore: int = 1024
-    burst: int = 8  # decisions a retry lasts: its first step pays the catch-up, the rest show the steady rate
+    burst: int = 8  # decisions a retry of the draft lasts: its first step pays the catch-up, the rest show its rate
+    burst_without: int = 2  # a retry without it (nothing to catch up: a step or two shows the plain rate)
     rates: dict[int, list[float | None]] = field(default_factory=dict)  # bucket -> [without, with], tokens/s
     decisions: dict[int, int] = field(default_factory=dict)
     retry_at: dict[int, int] = field(default_factory=dict)  # the decision that retries the slower side
@@ -159,9 +160,10 @@ class DraftGate:
             return not self.faster[b]
         if on is None or off is None:  # each side for a burst first, the draft's first
             self.faster[b] = on is not None
-            self.retry_until[b] = n + self.burst
+            burst = self.burst if on is None else self.burst_without
+            self.retry_until[b] = n + burst
             self.interval[b] = self.explore
-            self.retry_at[b] = n + self.burst + self.explore
+            self.retry_at[b] = n + burst + self.explore
             return on is None
         faster = on > off
         if self.faster.get(b) != faster:  # a new winner: retry the other side soon
@@ -170,8 +172,9 @@ class DraftGate:
         if n < self.retry_at[b]:
             return faster
         self.interval[b] = min(2 * self.interval[b], self.max_explore)
-        self.retry_until[b] = n + self.burst
-        self.retry_at[b] = n + self.burst + self.interval[b]
+        burst = self.burst_without if faster else self.burst
+        self.retry_until[b] = n + burst
+        self.retry_at[b] = n + burst + self.interval[b]
         return not faster
 
     def retrying(self, num_seqs: int) -> bool:
