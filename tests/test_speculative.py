@@ -344,9 +344,14 @@ SMOL_PROMPTS = [
 
 
 @pytest.mark.isa_agnostic
-def test_smollm2_greedy_equal_with_an_adapter_and_a_stop_string_inside_a_run(smollm2_dir: Path, tmp_path: Path) -> None:
+@METHODS
+def test_smollm2_greedy_equal_with_an_adapter_and_a_stop_string_inside_a_run(
+    smollm2_dir: Path, tmp_path: Path, method: str
+) -> None:
+    """The built-in model with its tokenizer (for the draft method, drafting for itself: the tokenizers checked,
+    base requests' runs all accepted)."""
     adapter = make_peft_adapter(smollm2_dir, tmp_path / "a", seed=0, b_scale=0.05, **ADAPTER_SPECS["qv-r4"])
-    engine = make_engine(smollm2_dir, speculative="ngram")
+    engine = make_engine(smollm2_dir, max_model_len=512, **drafting(method, smollm2_dir))
     ids = [engine.tokenizer.encode(p, add_special_tokens=False) for p in SMOL_PROMPTS]
     (full,), (groups,) = run_work(engine, [(None, ids[0], SamplingParams(max_new_tokens=24), 0)])
     # a stop string inside a run: the text of a group's second token that the output had not shown before
@@ -364,7 +369,17 @@ def test_smollm2_greedy_equal_with_an_adapter_and_a_stop_string_inside_a_run(smo
         (None, ids[2], SamplingParams(max_new_tokens=24), 2),
         ("a", ids[1], SamplingParams(max_new_tokens=12), 3),  # a prefix-cache hit
     ]
-    outs, _ = compare(smollm2_dir, work, {"a": adapter}, disk_cache_dir=str(tmp_path / "disk"))
+    draft = own_draft(method, smollm2_dir)
+    outs, _ = compare(
+        smollm2_dir,
+        work,
+        {"a": adapter},
+        method=method,
+        rejections=not draft,
+        disk_cache_dir=str(tmp_path / "disk"),
+        max_model_len=512,
+        **draft,
+    )
     assert engine.decode(outs[0]).endswith(stop) and len(outs[0]) < len(full)
 
 

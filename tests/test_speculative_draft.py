@@ -3,7 +3,8 @@ K/V right (a draft that is the model itself has every proposal accepted), catch-
 the KV pool sized for both models, and clear refusals (no draft, another tokenizer).
 
 The prompt-lookup tests in test_speculative.py that take a `method` run the draft too (stops and
-max_tokens inside a run, a soak with aborts, the sampled distribution).
+max_tokens inside a run, a soak with aborts, the sampled distribution, the bf16 kernels, SmolLM2 with an
+adapter and a stop string).
 """
 
 from __future__ import annotations
@@ -155,35 +156,6 @@ def test_vocabulary_check() -> None:
         check_vocabulary(tok, swapped, args, args)  # type: ignore[arg-type]
     with pytest.raises(DraftModelError, match="embedding has 4 rows"):
         check_vocabulary(tok, tok, args, SimpleNamespace(vocab_size=4))  # type: ignore[arg-type]
-
-
-@pytest.mark.isa_agnostic
-def test_smollm2_as_its_own_draft_with_an_adapter(smollm2_dir: Path, tmp_path: Path) -> None:
-    """The built-in model (with its tokenizer, checked) drafting for itself in fp32: base requests have every
-    proposal accepted, an adapter's requests have theirs verified with the adapter (some rejected)."""
-    from test_speculative import SMOL_PROMPTS
-
-    from lora_helpers import ADAPTER_SPECS, make_peft_adapter
-
-    adapter = make_peft_adapter(smollm2_dir, tmp_path / "a", seed=0, b_scale=0.05, **ADAPTER_SPECS["qv-r4"])
-    engine = make_engine(smollm2_dir)
-    ids = [engine.tokenizer.encode(p, add_special_tokens=False) for p in SMOL_PROMPTS]
-    work = [
-        (None, ids[0], SamplingParams(max_new_tokens=24), 0),
-        ("a", ids[1], SamplingParams(max_new_tokens=24), 1),
-        (None, ids[2], SamplingParams(max_new_tokens=24), 2),
-    ]
-    compare(
-        smollm2_dir,
-        work,
-        {"a": adapter},
-        method="draft",
-        rejections=False,
-        draft_model=str(smollm2_dir),
-        draft_cost_ratio=0.0,
-        disk_cache_dir=str(tmp_path / "disk"),
-        max_model_len=512,
-    )
 
 
 # when the draft pays
