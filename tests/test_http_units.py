@@ -191,5 +191,7 @@ def test_draft_model_flags_reach_both_engine_configs(monkeypatch: pytest.MonkeyP
     assert cli._config(chat.parse_args([])).draft_model is None
     assert cli.main(["serve", "--speculative", "draft"]) == 2  # no --draft-model: refused before loading
     assert "--draft-model" in capsys.readouterr().err
+    assert cli.main(["chat", "--speculative", "draft", "--prompt", "hi"]) == 2  # the same, no traceback
+    assert "--draft-model" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         chat.parse_args(["--speculative", "medusa"])

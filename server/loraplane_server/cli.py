@@ -243,12 +243,18 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
 def cmd_chat(a: argparse.Namespace) -> int:
     """Chat with the model: one answer for --prompt, else a prompt loop on stdin."""
+    from loraplane_server.draft import DraftModelError
     from loraplane_server.engine import LLMEngine
     from loraplane_server.sources import ModelSourceError
 
     try:
-        engine = LLMEngine(_config(a))
-    except ModelSourceError as exc:  # says what to fix: no traceback
+        config = _config(a)
+    except ValueError as exc:
+        print(f"loraplane chat: {exc}", file=sys.stderr)
+        return 2
+    try:
+        engine = LLMEngine(config)
+    except (ModelSourceError, DraftModelError) as exc:  # says what to fix: no traceback
         print(f"loraplane: failed to start: {exc}", file=sys.stderr)
         return 1
     history: list[dict[str, str]] = []
