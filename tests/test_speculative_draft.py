@@ -24,7 +24,7 @@ from loraplane_server.draft import DraftModelError, check_vocabulary
 from loraplane_server.errors import InvalidRequestError
 from loraplane_server.model_runner import kv_block_bytes
 from loraplane_server.sampling_params import SamplingParams
-from loraplane_server.speculative import DraftGate, draft_k, expected_accepted
+from loraplane_server.speculative import DraftGate, DraftPolicy, draft_k, expected_accepted
 
 # draft_cost_ratio 0: the draft proposes whenever it can (its cost model is tested on its own below)
 TINY = dict(
@@ -178,7 +178,7 @@ def test_a_draft_as_dear_as_the_model_never_proposes(tiny_llama_dir: Path) -> No
     config = {**TINY, "draft_cost_ratio": 1.0}
     engine = make_engine(tiny_llama_dir, speculative="draft", draft_model=str(tiny_llama_dir), **config)
     engine.generate(repetitive_prompts(512, 1, 3), SamplingParams(max_new_tokens=16))
-    assert engine.spec_proposed_total == 0 and engine.draft_steps_skipped > 0
+    assert engine.spec_proposed_total == 0 and engine.draft_policy.skipped > 0
 
 
 def test_a_cheap_draft_that_is_always_wrong_switches_itself_off(tiny_llama_dir: Path, tmp_path: Path) -> None:
@@ -187,13 +187,13 @@ def test_a_cheap_draft_that_is_always_wrong_switches_itself_off(tiny_llama_dir: 
     draft = save_tiny(tmp_path / "small", "llama", hidden_size=16, intermediate_size=32, num_hidden_layers=1, seed=5)
     config = {**TINY, "draft_cost_ratio": None}
     engine = make_engine(tiny_llama_dir, speculative="draft", draft_model=str(draft), **config)
-    assert engine.draft is not None and engine.draft.weight_bytes < engine.target_weight_bytes / 3
+    assert engine.draft_policy is not None and engine.draft_policy.bytes_ratio < 1 / 3
     prompts = repetitive_prompts(512, 6, 8)
     engine.generate(prompts[:4], SamplingParams(max_new_tokens=32))
     early = engine.spec_proposed_total
-    assert early > 0 and engine.draft_acceptance < 0.5
+    assert early > 0 and engine.draft_policy.acceptance < 0.5
     engine.generate(prompts[4:], SamplingParams(max_new_tokens=32))
-    assert engine.spec_proposed_total - early < early / 4 and engine.draft_steps_skipped > 0
+    assert engine.spec_proposed_total - early < early / 4 and engine.draft_policy.skipped > 0
 
 
 def test_the_gate_takes_the_faster_side_and_retries_the_other_less_often() -> None:
@@ -216,3 +216,18 @@ def test_the_gate_takes_the_faster_side_and_retries_the_other_less_often() -> No
         gate.record(rows, on, tokens=3, seconds=0.005 if on else 0.01)
     assert all(gate.allow(rows) for _ in range(3))
     assert gate.bucket(3) == gate.bucket(2) != gate.bucket(4)  # sizes in powers of two
+
+
+def test_the_policy_plans_a_step() -> None:
+    fixed = DraftPolicy(fixed_cost=0.0, bytes_ratio=0.5, max_batched_tokens=2048, max_step_tokens=32)
+    assert fixed.plan(num_running=4, num_drafting=4, spare=28) == (7, 2048, False)  # the spare shared evenly
+    assert fixed.plan(num_running=4, num_drafting=0, spare=28) == (0, 0, False)
+    assert fixed.gated is None and fixed.cost(pass_seconds=0.004) == 0.0
+    measured = DraftPolicy(fixed_cost=None, bytes_ratio=0.5, max_batched_tokens=2048, max_step_tokens=32)
+    assert measured.cost(None) == 0.5  # the bytes until both passes are measured
+    measured.record_step(decode_seconds=0.010, drafted=False, tokens=1, step_seconds=0.010)
+    assert measured.cost(pass_seconds=0.004) == pytest.approx(0.4)
+    assert measured.plan(num_running=1, num_drafting=1, spare=31) == (31, 2048, False)  # the draft's first try
+    assert measured.gated == 1
+    measured.record_run(proposed=4, accepted=0)
+    assert measured.acceptance < 0.9

@@ -45,7 +45,7 @@ from loraplane_server.sampler import make_generator
 from loraplane_server.sampling_params import SamplingParams
 from loraplane_server.scheduler import Scheduler
 from loraplane_server.sequence import FinishReason, Sequence, SequenceStatus
-from loraplane_server.speculative import DraftGate, SpecState, cap_proposal, draft_k, moving_average, spare_tokens
+from loraplane_server.speculative import DraftPolicy, SpecState, cap_proposal, spare_tokens
 from loraplane_server.user_cache import cache_root
 
 log = logging.getLogger("loraplane.engine")
@@ -130,7 +130,7 @@ class LLMEngine:
             self.lora_slots,
         )
         self.draft: DraftModel | None = None
-        self.target_weight_bytes = weight_bytes(model)
+        self.draft_policy: DraftPolicy | None = None
         if draft_dir is not None:
             phase("loading the draft model")
             draft = load_model(draft_dir, self.dtype, self.device, self.draft_max_len)
@@ -147,6 +147,12 @@ class LLMEngine:
                 self.backends,
                 model.args.vocab_size,
             )
+            self.draft_policy = DraftPolicy(
+                config.draft_cost_ratio,
+                self.draft.weight_bytes / weight_bytes(model),
+                config.max_num_batched_tokens,
+                config.speculative_max_step_tokens,
+            )
         log.info("engine: %s", self.describe())
         phase("loading the tokenizer")
         self.tokenizer = tokenizer if draft_dir is not None else _load_tokenizer(self.model_dir)
@@ -161,11 +167,6 @@ class LLMEngine:
         self.last_step_tokens = 0
         self.spec_proposed_total = 0  # speculative tokens proposed and accepted, every request together
         self.spec_accepted_total = 0
-        self.decode_step_seconds: float | None = None  # a decode-only pass's time, moving average (draft cost model)
-        self.draft_acceptance = 0.9  # recent draft runs' acceptance, moving average: a new sequence's estimate
-        self.draft_steps_skipped = 0  # steps whose draft proposals would not pay (draft_k, the gate): tests, bench
-        self.draft_gate = DraftGate()
-        self._gated: int | None = None  # this step's sequences when the gate decided, for its measurement
 
     def describe(self) -> str:
         """One line of what runs where: the CPU (or device), dtype, the kernels' ISA, every backend."""
@@ -260,7 +261,6 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         outputs, self._aborted = self._aborted, []
         outputs += self.orchestrator.poll()
-        self._gated = None
         proposing, catching_up = self._propose()
         plan = self.scheduler.schedule()
         self.adapters.stats.hits["device"] += plan.slot_hits
@@ -278,10 +278,8 @@ class LLMEngine:
         run_start = time.perf_counter()
         samplers, tokens, logprobs = self.runner.run(scheduled)
         end = time.perf_counter()
-        if decoding:
-            self.decode_step_seconds = moving_average(self.decode_step_seconds, end - run_start)
-            if self._gated is not None:  # the draft's catch-ups count: what switching it on costs
-                self.draft_gate.record(self._gated, drafted, sum(map(len, tokens)), end - start)
+        if decoding and self.draft_policy is not None:
+            self.draft_policy.record_step(end - run_start, drafted, sum(map(len, tokens)), end - start)
         self.num_steps += 1
         now = time.monotonic()
         for seq, n in scheduled:
@@ -317,14 +315,19 @@ class LLMEngine:
         """Proposals for the decoding sequences that speculate, while the step's tokens stay under
         speculative_max_step_tokens (a larger step is compute-bound): prompt lookup's now; for the draft's,
         k placeholders the scheduler fits to the step before the draft fills them (_draft_proposals), in the
-        steps where the draft pays (_draft_plan). The sequences given some, and the draft sequences too far
+        steps where the draft pays (DraftPolicy). The sequences given some, and the draft sequences too far
         behind to propose: (sequence, the position their catch-up reaches this step)."""
         running = self.scheduler.running
         if not any(s.spec is not None for s in running):
             return [], []
         num_tokens = min(sum(s.num_uncomputed_tokens for s in running), self.config.max_num_batched_tokens)
         spare = spare_tokens(num_tokens, self.config.speculative_max_step_tokens)
-        draft_share, catch_up, retrying = self._draft_plan(running, spare)
+        draft_share, catch_up, retrying = 0, 0, False
+        if self.draft_policy is not None:
+            num_drafting = sum(
+                1 for s in running if s.spec and s.spec.method == "draft" and s.num_uncomputed_tokens == 1
+            )
+            draft_share, catch_up, retrying = self.draft_policy.plan(len(running), num_drafting, spare)
         proposing: list[Sequence] = []
         catching_up: list[tuple[Sequence, int]] = []
         for seq in running:
@@ -354,49 +357,17 @@ class LLMEngine:
                 proposing.append(seq)
         drafting = [s for s in proposing if s.spec is not None and s.spec.method == "draft"]
         if drafting:
-            estimates = [(s.spec.acceptance(self.draft_acceptance), len(s.spec.proposed)) for s in drafting if s.spec]
-            k = draft_k(estimates, len(running), self._draft_cost())
+            assert self.draft is not None and self.draft_policy is not None
+            prior = self.draft_policy.acceptance
+            estimates = [(s.spec.acceptance(prior), len(s.spec.proposed)) for s in drafting if s.spec]
+            k = self.draft_policy.choose_k(estimates, len(running), self.draft.pass_seconds)
             for seq in drafting:
                 assert seq.spec is not None
                 del seq.spec.proposed[k:]
             if k == 0:  # nor catch-ups: the draft reads nothing in a step it does not propose in
-                self.draft_steps_skipped += 1
                 proposing = [s for s in proposing if s not in drafting]
                 catching_up = []
         return proposing, catching_up
-
-    def _draft_plan(self, running: list[Sequence], spare: int) -> tuple[int, int, bool]:
-        """Whether the draft runs this step: the most proposals each drafting sequence may get (the draft's
-        passes cost the same however many sequences use them: the spare tokens shared evenly; 0: the draft
-        does not run), the tokens it may catch up on first, and whether this is the gate retrying it. With a
-        measured cost the gate decides by the tokens/s of steps with and without the draft; a retry catches
-        up an eighth of a step's tokens at most, and only sequences that fit take part (a retry is not worth
-        reading every new prompt)."""
-        drafting = [
-            s for s in running if s.spec is not None and s.spec.method == "draft" and s.num_uncomputed_tokens == 1
-        ]
-        if not drafting or spare <= 0:
-            return 0, 0, False
-        catch_up, retrying = self.config.max_num_batched_tokens, False
-        if self.config.draft_cost_ratio is None:
-            self._gated = len(running)
-            if not self.draft_gate.allow(len(running)):
-                self.draft_steps_skipped += 1
-                return 0, 0, False
-            retrying = self.draft_gate.retrying(len(running))
-            if retrying:
-                catch_up = max(self.config.speculative_max_step_tokens, catch_up // 8)
-        return max(1, spare // len(drafting)), catch_up, retrying
-
-    def _draft_cost(self) -> float:
-        """A draft pass's time over a plain decode step's: measured once both have run, until then the
-        ratio of the bytes each reads (what a step bound by reading the weights costs)."""
-        assert self.draft is not None
-        if self.config.draft_cost_ratio is not None:
-            return self.config.draft_cost_ratio
-        if self.draft.pass_seconds is not None and self.decode_step_seconds is not None:
-            return self.draft.pass_seconds / self.decode_step_seconds
-        return self.draft.weight_bytes / self.target_weight_bytes
 
     def _draft_proposals(self, scheduled: list[tuple[Sequence, int]], catching_up: list[tuple[Sequence, int]]) -> bool:
         """The draft model's tokens in place of the placeholders the scheduler kept (k each, in one batched
@@ -424,10 +395,8 @@ class LLMEngine:
         # the draft's K/V holds after the last token only where its input was the token accepted there
         seq.spec.draft_computed = min(seq.spec.draft_computed, len(seq) + len(tokens) - 1)
         seq.spec.adapt(len(seq.spec.proposed), len(tokens) - 1)
-        if seq.spec.method == "draft":
-            self.draft_acceptance = moving_average(
-                self.draft_acceptance, (len(tokens) - 1) / len(seq.spec.proposed), weight=0.05
-            )
+        if self.draft_policy is not None and seq.spec.method == "draft":
+            self.draft_policy.record_run(len(seq.spec.proposed), len(tokens) - 1)
         self.spec_proposed_total += len(seq.spec.proposed)
         self.spec_accepted_total += len(tokens) - 1
         seq.spec.proposed = []

@@ -186,3 +186,63 @@ class DraftGate:
     def record(self, num_seqs: int, drafted: bool, tokens: int, seconds: float) -> None:
         rates = self.rates.setdefault(self.bucket(num_seqs), [None, None])
         rates[drafted] = moving_average(rates[drafted], tokens / max(seconds, 1e-9), weight=0.2)
+
+
+@dataclass
+class DraftPolicy:
+    """When the draft proposes and how far, from what the engine measures: each step's plan (the gate's
+    decision, the spare tokens shared among the drafting sequences, the catch-up allowed), the k that pays
+    (draft_k, with the cost measured or fixed), and the measurements (decode steps' time, the draft pass's,
+    verified runs' acceptance)."""
+
+    fixed_cost: float | None  # EngineConfig.draft_cost_ratio: None measures
+    bytes_ratio: float  # the draft's weight bytes over the model's: the cost until both are measured
+    max_batched_tokens: int
+    max_step_tokens: int
+    gate: DraftGate = field(default_factory=DraftGate)
+    acceptance: float = 0.9  # recent verified runs' acceptance, moving average: a new sequence's estimate
+    decode_seconds: float | None = None  # a decode-only pass of the model, moving average
+    skipped: int = 0  # steps the draft did not run in for not paying (tests and the bench read it)
+    gated: int | None = None  # this step's sequences when the gate decided: its measurement is recorded
+
+    def plan(self, num_running: int, num_drafting: int, spare: int) -> tuple[int, int, bool]:
+        """This step: the most proposals a drafting sequence may get (0: the draft does not run; its passes
+        cost the same however many sequences use them, so the spare tokens are shared evenly), the tokens the
+        draft may catch up on first, and whether the gate is retrying the draft (a retry catches up an eighth
+        of a step's tokens at most, on the sequences that fit: it is not worth reading every new prompt)."""
+        self.gated = None
+        if not num_drafting or spare <= 0:
+            return 0, 0, False
+        catch_up, retrying = self.max_batched_tokens, False
+        if self.fixed_cost is None:
+            self.gated = num_running
+            if not self.gate.allow(num_running):
+                self.skipped += 1
+                return 0, 0, False
+            retrying = self.gate.retrying(num_running)
+            if retrying:
+                catch_up = max(self.max_step_tokens, catch_up // 8)
+        return max(1, spare // num_drafting), catch_up, retrying
+
+    def choose_k(self, proposals: list[tuple[float, int]], num_running: int, pass_seconds: float | None) -> int:
+        """draft_k over the drafting sequences' (acceptance, k); 0 counts as a skipped step."""
+        k = draft_k(proposals, num_running, self.cost(pass_seconds))
+        self.skipped += k == 0
+        return k
+
+    def cost(self, pass_seconds: float | None) -> float:
+        """A draft pass's time over a decode step's: fixed, measured once both have run, else the bytes' ratio."""
+        if self.fixed_cost is not None:
+            return self.fixed_cost
+        if pass_seconds is not None and self.decode_seconds is not None:
+            return pass_seconds / self.decode_seconds
+        return self.bytes_ratio
+
+    def record_step(self, decode_seconds: float, drafted: bool, tokens: int, step_seconds: float) -> None:
+        """A decode-only step: the model's pass time, and for the gate the step's tokens over its whole time."""
+        self.decode_seconds = moving_average(self.decode_seconds, decode_seconds)
+        if self.gated is not None:  # the draft's catch-ups count: what switching it on costs
+            self.gate.record(self.gated, drafted, tokens, step_seconds)
+
+    def record_run(self, proposed: int, accepted: int) -> None:
+        self.acceptance = moving_average(self.acceptance, accepted / proposed, weight=0.05)
