@@ -229,5 +229,21 @@ def test_the_policy_plans_a_step() -> None:
     assert measured.cost(pass_seconds=0.004) == pytest.approx(0.4)
     assert measured.plan(num_running=1, num_drafting=1, spare=31) == (31, 2048, False)  # the draft's first try
     assert measured.gated == 1
+    measured.record_step(decode_seconds=0.010, drafted=True, tokens=5, step_seconds=0.020)
+    assert measured.gate.rates[measured.gate.bucket(1)][1] == 250.0
     measured.record_run(proposed=4, accepted=0)
     assert measured.acceptance < 0.9
+
+
+def test_a_step_without_speculation_is_not_the_gates_measurement(tiny_llama_dir: Path) -> None:
+    """A decode step in which nobody speculates (the draft's requests done, a plain one left) records nothing
+    under the gate's last decision."""
+    config = {**TINY, "draft_cost_ratio": None}
+    engine = make_engine(tiny_llama_dir, speculative="off", draft_model=str(tiny_llama_dir), **config)
+    assert engine.draft_policy is not None
+    prompt = repetitive_prompts(512, 7, 1)[0]
+    engine.generate([prompt], SamplingParams(max_new_tokens=12, speculative="draft"))
+    rates = {b: list(r) for b, r in engine.draft_policy.gate.rates.items()}
+    assert rates  # the draft's request was gated
+    engine.generate([prompt], SamplingParams(max_new_tokens=12))
+    assert engine.draft_policy.gate.rates == rates

@@ -318,6 +318,8 @@ class LLMEngine:
         steps where the draft pays (DraftPolicy). The sequences given some, and the draft sequences too far
         behind to propose: (sequence, the position their catch-up reaches this step)."""
         running = self.scheduler.running
+        if self.draft_policy is not None:
+            self.draft_policy.gated = None  # a step the gate does not decide is none of its measurements
         if not any(s.spec is not None for s in running):
             return [], []
         num_tokens = min(sum(s.num_uncomputed_tokens for s in running), self.config.max_num_batched_tokens)

@@ -203,14 +203,14 @@ class DraftPolicy:
     acceptance: float = 0.9  # recent verified runs' acceptance, moving average: a new sequence's estimate
     decode_seconds: float | None = None  # a decode-only pass of the model, moving average
     skipped: int = 0  # steps the draft did not run in for not paying (tests and the bench read it)
-    gated: int | None = None  # this step's sequences when the gate decided: its measurement is recorded
+    # this step's sequences when the gate decided (its measurement is recorded); the engine clears it each step
+    gated: int | None = None
 
     def plan(self, num_running: int, num_drafting: int, spare: int) -> tuple[int, int, bool]:
         """This step: the most proposals a drafting sequence may get (0: the draft does not run; its passes
         cost the same however many sequences use them, so the spare tokens are shared evenly), the tokens the
         draft may catch up on first, and whether the gate is retrying the draft (a retry catches up an eighth
         of a step's tokens at most, on the sequences that fit: it is not worth reading every new prompt)."""
-        self.gated = None
         if not num_drafting or spare <= 0:
             return 0, 0, False
         catch_up, retrying = self.max_batched_tokens, False
