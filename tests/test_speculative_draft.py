@@ -230,7 +230,7 @@ def test_the_policy_plans_a_step() -> None:
     assert measured.plan(num_running=1, num_drafting=1, spare=31) == (31, 2048, False)  # the draft's first try
     assert measured.gated == 1
     measured.record_step(decode_seconds=0.010, drafted=True, tokens=5, step_seconds=0.020)
-    assert measured.gate.rates[measured.gate.bucket(1)][1] == 250.0
+    assert measured.gate.size(1).rates[1] == 250.0
     measured.record_run(proposed=4, accepted=0)
     assert measured.acceptance < 0.9
 
@@ -243,7 +243,7 @@ def test_a_step_without_speculation_is_not_the_gates_measurement(tiny_llama_dir:
     assert engine.draft_policy is not None
     prompt = repetitive_prompts(512, 7, 1)[0]
     engine.generate([prompt], SamplingParams(max_new_tokens=12, speculative="draft"))
-    rates = {b: list(r) for b, r in engine.draft_policy.gate.rates.items()}
+    rates = {b: list(g.rates) for b, g in engine.draft_policy.gate.sizes.items()}
     assert rates  # the draft's request was gated
     engine.generate([prompt], SamplingParams(max_new_tokens=12))
-    assert engine.draft_policy.gate.rates == rates
+    assert {b: g.rates for b, g in engine.draft_policy.gate.sizes.items()} == rates

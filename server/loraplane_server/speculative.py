@@ -129,6 +129,18 @@ def moving_average(old: float | None, new: float, weight: float = 0.1) -> float:
 
 
 @dataclass
+class GateSize:
+    """The gate's state for one step size."""
+
+    rates: list[float | None] = field(default_factory=lambda: [None, None])  # [without, with] the draft, tokens/s
+    decisions: int = 0
+    faster: bool = False  # whether the draft is the faster side
+    retry_until: int = 0  # decisions before this one keep retrying the slower side
+    retry_at: int = 0  # the decision that retries the slower side next
+    interval: int = 0  # decisions between retries, doubled each time
+
+
+@dataclass
 class DraftGate:
     """Whether the draft runs in a step, learnt per step size (its sequences, in powers of two): the tokens per
     second of decode steps with the draft and without (the draft's passes, its catch-ups, verification and all),
@@ -141,50 +153,44 @@ class DraftGate:
     max_explore: int = 1024
     burst: int = 8  # decisions a retry of the draft lasts: its first step pays the catch-up, the rest show its rate
     burst_without: int = 2  # a retry without it (nothing to catch up: a step or two shows the plain rate)
-    rates: dict[int, list[float | None]] = field(default_factory=dict)  # bucket -> [without, with], tokens/s
-    decisions: dict[int, int] = field(default_factory=dict)
-    retry_at: dict[int, int] = field(default_factory=dict)  # the decision that retries the slower side
-    retry_until: dict[int, int] = field(default_factory=dict)
-    interval: dict[int, int] = field(default_factory=dict)
-    faster: dict[int, bool] = field(default_factory=dict)
+    sizes: dict[int, GateSize] = field(default_factory=dict)  # by bucket
 
     @staticmethod
     def bucket(num_seqs: int) -> int:
         return num_seqs.bit_length()
 
+    def size(self, num_seqs: int) -> GateSize:
+        return self.sizes.setdefault(self.bucket(num_seqs), GateSize())
+
     def allow(self, num_seqs: int) -> bool:
-        b = self.bucket(num_seqs)
-        off, on = self.rates.setdefault(b, [None, None])
-        n = self.decisions[b] = self.decisions.get(b, 0) + 1
-        if n < self.retry_until.get(b, 0):
-            return not self.faster[b]
+        g = self.size(num_seqs)
+        off, on = g.rates
+        g.decisions += 1
+        n = g.decisions
+        if n < g.retry_until:
+            return not g.faster
         if on is None or off is None:  # each side for a burst first, the draft's first
-            self.faster[b] = on is not None
+            g.faster = on is not None
             burst = self.burst if on is None else self.burst_without
-            self.retry_until[b] = n + burst
-            self.interval[b] = self.explore
-            self.retry_at[b] = n + burst + self.explore
+            g.retry_until, g.interval, g.retry_at = n + burst, self.explore, n + burst + self.explore
             return on is None
         faster = on > off
-        if self.faster.get(b) != faster:  # a new winner: retry the other side soon
-            self.faster[b], self.interval[b] = faster, self.explore
-            self.retry_at[b] = n + self.explore
-        if n < self.retry_at[b]:
+        if g.faster != faster:  # a new winner: retry the other side soon
+            g.faster, g.interval, g.retry_at = faster, self.explore, n + self.explore
+        if n < g.retry_at:
             return faster
-        self.interval[b] = min(2 * self.interval[b], self.max_explore)
+        g.interval = min(2 * g.interval, self.max_explore)
         burst = self.burst_without if faster else self.burst
-        self.retry_until[b] = n + burst
-        self.retry_at[b] = n + burst + self.interval[b]
+        g.retry_until, g.retry_at = n + burst, n + burst + g.interval
         return not faster
 
     def retrying(self, num_seqs: int) -> bool:
         """Whether the last decision for this size retried the draft (its first try is not a retry)."""
-        b = self.bucket(num_seqs)
-        first = self.rates.get(b, [None, None])[1] is None
-        return not first and self.decisions.get(b, 0) < self.retry_until.get(b, 0) and not self.faster.get(b, False)
+        g = self.size(num_seqs)
+        return g.rates[1] is not None and g.decisions < g.retry_until and not g.faster
 
     def record(self, num_seqs: int, drafted: bool, tokens: int, seconds: float) -> None:
-        rates = self.rates.setdefault(self.bucket(num_seqs), [None, None])
+        rates = self.size(num_seqs).rates
         rates[drafted] = moving_average(rates[drafted], tokens / max(seconds, 1e-9), weight=0.2)
 
 
