@@ -13,10 +13,8 @@ import pytest
 import torch
 from engine_helpers import make_engine
 from safetensors.torch import load_file, save_file
-from test_multi_lora_peft import run_mixed
-from test_quantization import mixed_work
+from test_quantization import assert_matches_peft, peft_adapters_and_work
 
-from lora_helpers import ADAPTER_SPECS, make_peft_adapter, peft_greedy
 from loraplane_server.config import EngineConfig
 from loraplane_server.engine import LLMEngine
 from loraplane_server.gguf_models import find_gguf, write_q8_0
@@ -227,25 +225,13 @@ def test_compressed_tensors_engine_matches_peft_on_the_decompressed_model(tiny_l
     checkpoint = write_compressed_tensors(tiny_llama_dir, tmp_path / "ct", "channel", "pack-quantized", True)
     reference = tmp_path / "decompressed"
     decompressed(checkpoint, reference)
-    adapters = {
-        name: make_peft_adapter(tiny_llama_dir, tmp_path / name, seed=i, **spec)
-        for i, (name, spec) in enumerate(ADAPTER_SPECS.items())
-    }
-    vocab = json.loads((tiny_llama_dir / "config.json").read_text())["vocab_size"]
-    names: list[str | None] = [*adapters, None]
-    work = mixed_work(vocab, names, 7)
+    adapters, work = peft_adapters_and_work(tiny_llama_dir, tmp_path, 7)
     engine = make_engine(
         checkpoint, block_size=4, num_kv_blocks=128, max_loras=4, max_lora_rank=16,
         disk_cache_dir=str(tmp_path / "disk-cache"),
     )  # fmt: skip
     assert engine.runner.model.int8 and "int8 weights" in engine.describe()
-    for name, path in adapters.items():
-        engine.adapters.register(name, str(path))
-    ours = run_mixed(engine, work)
-    for name in names:
-        rows = [i for i, w in enumerate(work) if w[0] == name]
-        prompts, lens = [work[i][1] for i in rows], [work[i][2] for i in rows]
-        assert [ours[i] for i in rows] == peft_greedy(reference, adapters[name] if name else None, prompts, lens), name
+    assert_matches_peft(engine, reference, adapters, work)
 
 
 # GGUF Q8_0

@@ -70,34 +70,43 @@ def mixed_work(vocab: int, names: list[str | None], seed: int) -> list[tuple[str
     return work
 
 
+Work = list[tuple[str | None, list[int], int, int]]
+
+
+def peft_adapters_and_work(model_dir: Path, tmp_path: Path, seed: int) -> tuple[dict[str, Path], Work]:
+    """Every ADAPTER_SPECS adapter on model_dir, and mixed_work over them and the base model."""
+    adapters = {
+        name: make_peft_adapter(model_dir, tmp_path / name, seed=i, **spec)
+        for i, (name, spec) in enumerate(ADAPTER_SPECS.items())
+    }
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    return adapters, mixed_work(vocab, [*adapters, None], seed)
+
+
+def assert_matches_peft(engine: LLMEngine, reference: Path, adapters: dict[str, Path], work: Work) -> None:
+    """The work run mixed on the engine (the adapters registered) gives, token for token, what PEFT gives on
+    `reference` with each adapter alone, and the base model's rows what the reference alone gives."""
+    for name, path in adapters.items():
+        engine.adapters.register(name, str(path))
+    ours = run_mixed(engine, work)
+    for name in [*adapters, None]:
+        rows = [i for i, w in enumerate(work) if w[0] == name]
+        prompts, lens = [work[i][1] for i in rows], [work[i][2] for i in rows]
+        assert [ours[i] for i in rows] == peft_greedy(reference, adapters[name] if name else None, prompts, lens), name
+
+
 def test_int8_engine_matches_peft_on_the_dequantized_model(tiny_llama_dir: Path, tmp_path: Path) -> None:
     """fp32 activations (the torch int8 path): a mixed batch of adapters of different ranks and base requests
     gives, token for token, what PEFT gives on the dequantized checkpoint, each adapter alone."""
     reference = dequantized_copy(tiny_llama_dir, tmp_path / "dequantized")
-    adapters = {
-        name: make_peft_adapter(tiny_llama_dir, tmp_path / name, seed=i, **spec)
-        for i, (name, spec) in enumerate(ADAPTER_SPECS.items())
-    }
-    vocab = json.loads((tiny_llama_dir / "config.json").read_text())["vocab_size"]
-    names: list[str | None] = [*adapters, None]
-    work = mixed_work(vocab, names, 5)
+    adapters, work = peft_adapters_and_work(tiny_llama_dir, tmp_path, 5)
     engine = make_engine(
         tiny_llama_dir, quantization="int8", block_size=4, num_kv_blocks=128, max_loras=4, max_lora_rank=16,
         disk_cache_dir=str(tmp_path / "disk-cache"),
     )  # fmt: skip
     linears = [m for m in engine.runner.model.modules() if isinstance(m, ProjectionLinear)]
     assert linears and all(m.weight.dtype == torch.int8 for m in linears)
-    for name, path in adapters.items():
-        engine.adapters.register(name, str(path))
-    ours = run_mixed(engine, work)
-    plain = None
-    for name in names:
-        rows = [i for i, w in enumerate(work) if w[0] == name]
-        prompts, lens = [work[i][1] for i in rows], [work[i][2] for i in rows]
-        assert [ours[i] for i in rows] == peft_greedy(reference, adapters[name] if name else None, prompts, lens), name
-        if name is None:  # quantization visibly changes the model: the reference is not the original
-            plain = peft_greedy(tiny_llama_dir, None, prompts, lens)
-    assert plain is not None
+    assert_matches_peft(engine, reference, adapters, work)
 
 
 def weight_bytes(engine: LLMEngine) -> int:
