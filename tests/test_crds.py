@@ -639,6 +639,10 @@ def test_model_status_schema():
         validate("BaseModelServer", {**bms(), "status": {"model": {**status["model"], "phase": phase}}})
     with pytest.raises(jsonschema.ValidationError):
         validate("BaseModelServer", {**bms(), "status": {"model": {"phase": "Downloaded"}}})
+    draft = {**status["model"], "source": "hf://org/draft", "phase": "Pending"}
+    validate("BaseModelServer", {**bms(), "status": {**status, "draftModel": draft}})
+    with pytest.raises(jsonschema.ValidationError):
+        validate("BaseModelServer", {**bms(), "status": {"draftModel": {"phase": "Queued"}}})
 
 
 def test_model_docs_name_every_source_form():

@@ -99,6 +99,46 @@ def test_s3_model_answers_as_the_builtin_token_for_token(
         server.stop()
 
 
+def test_a_draft_from_s3_reports_its_own_download(
+    minio_server: MinioServer,  # noqa: F811
+    smollm2_dir: Path,
+    tmp_path: Path,
+) -> None:
+    """--draft-model s3://...: /ready's draft_model is the draft's own progress (pending while the model's files
+    are resolved, then its download's bytes); the model's report never shows the draft's bytes or restarts."""
+    minio_server.upload_dir(smollm2_dir, "models", "draft")
+    total = sum(p.stat().st_size for p in smollm2_dir.iterdir() if p.is_file())
+    env = {**minio_server.env(), "LORAPLANE_TEST_DOWNLOAD_DELAY_S": "0.01"}  # ~5 s: /ready is seen downloading
+    args = ["--speculative", "draft", "--draft-model", "s3://models/draft", "--model-cache", str(tmp_path / "cache")]
+    server = ServerProcess(args, tmp_path / "server.log", env=env)
+    try:
+        bodies = ready_bodies_until_ready(server)
+        models = [b["model"] for b in bodies if "model" in b]
+        drafts = [b["draft_model"] for b in bodies if "draft_model" in b]
+        assert len(models) == len(drafts) > 0, bodies[:3]
+        assert {m["source"] for m in models} == {"smollm2-135m"} and {d["source"] for d in drafts} == {
+            "s3://models/draft"
+        }
+        assert "downloading" not in {m["phase"] for m in models}  # the built-in model is converted, not fetched
+        phases = [d["phase"] for d in drafts]
+        assert phases[0] == "pending" and phases[-1] == "ready", phases
+        downloading = [d for d in drafts if d["phase"] == "downloading"]
+        assert downloading and 0 < downloading[len(downloading) // 2]["bytes_done"] < total
+        # the draft starts only once the model's files are in place
+        first = next(i for i, d in enumerate(drafts) if d["phase"] != "pending")
+        assert models[first]["phase"] == "loading", models[first]
+        assert bodies[-1]["draft_model"] == {"source": "s3://models/draft", "phase": "ready", "bytes_done": total,
+                                             "bytes_total": total}  # fmt: skip
+        r = httpx.post(
+            f"{server.url}/generate",
+            json={"inputs": "1, 2, 3, 4,", "parameters": {"max_new_tokens": 8, "speculative": "draft"}},
+            timeout=120,
+        )
+        assert r.status_code == 200 and r.json()["generated_text"], r.text
+    finally:
+        server.stop()
+
+
 def test_gguf_file_answers_as_the_builtin(builtin_answers: list[dict], tmp_path: Path) -> None:
     cache = tmp_path / "cache"
     args = ["--model", str(find_gguf("smollm2-135m")), "--model-cache", str(cache), "--adapter-dir", str(ADAPTERS)]

@@ -21,6 +21,7 @@ from loraplane_operator.server_status import (
     PodInfo,
     ServerRef,
     current_pods,
+    draft_model_status,
     failure_line,
     last_start_failure,
     model_phase,
@@ -829,6 +830,52 @@ def test_model_report_from_ready_bodies():
     assert model_report("p", {"status": "loading", "model": {"phase": "exploding"}}) is None
     assert model_report("p", {"model": {"phase": "downloading", "bytes_done": True}}) == ModelReport("p", "downloading")
     assert model_report("p", ["not", "a", "dict"]) is None
+    with_draft = {**loading, "draft_model": {"source": "hf://o/d", "phase": "pending", "bytes_done": 0}}
+    assert model_report("p", with_draft) == ModelReport("p", "downloading", 10, 40, draft=ModelReport("p", "pending"))
+    broken_draft = {**loading, "draft_model": {"phase": "exploding"}}
+    assert model_report("p", broken_draft) == ModelReport("p", "downloading", 10, 40)  # the model's report stands
+
+
+def draft_report(pod: str, model_phase: str, phase: str, done: int = 0, total: int | None = None) -> ModelReport:
+    return ModelReport(pod, model_phase, 10, 10, draft=ModelReport(pod, phase, done, total))
+
+
+def test_draft_model_status_is_the_drafts_own_progress():
+    """status.draftModel follows the draft's report in /ready, never the model's: Pending while the pod works on
+    the model, then its own download and load; Ready with the pod; absent without spec.engine.draftModel."""
+    spec = {"model": "s3://models/x", "engine": {"speculative": "draft", "draftModel": "s3://models/d"}}
+    pods = [model_pod("a"), model_pod("b")]
+    assert draft_model_status({"model": "s3://models/x"}, pods, [report("a", "downloading", 1, 10)], {}, NOW) is None
+
+    waiting = draft_model_status(spec, pods, [draft_report("a", "downloading", "pending")], {}, NOW)
+    assert waiting is not None and (waiting["source"], waiting["phase"]) == ("s3://models/d", "Pending")
+    assert waiting["message"] == "a: the draft model is fetched once the model's files are"
+    assert "bytesDone" not in waiting  # the model's 10 bytes are not the draft's
+
+    reports = [draft_report("a", "loading", "downloading", 3, 8), draft_report("b", "loading", "pending")]
+    fetching = draft_model_status(spec, pods, reports, waiting, NOW)
+    model = model_status(spec, pods, reports, {}, NOW)
+    assert fetching is not None and (fetching["phase"], fetching["bytesDone"], fetching["bytesTotal"]) == (
+        "Downloading",
+        3,
+        8,
+    )
+    assert (model["phase"], model["bytesDone"]) == ("Loading", 10)  # each its own
+    loading = draft_model_status(spec, pods, [draft_report("a", "loading", "loading", 8, 8)], fetching, NOW)
+    assert loading is not None and loading["phase"] == "Loading"
+    ready = draft_model_status(spec, [model_pod("a", ready=True)], [], loading, NOW)
+    assert ready is not None and ready["phase"] == "Ready"
+
+
+def test_a_server_that_cannot_start_fails_the_draft_too():
+    spec = {"model": "smollm2-135m", "engine": {"speculative": "draft", "draftModel": "hf://org/other"}}
+    error = "--draft-model hf://org/other: its tokenizer differs from the model's"
+    failed = draft_model_status(spec, [model_pod("a")], [report("a", "failed", error=error)], {}, NOW)
+    assert failed is not None and (failed["phase"], failed["reason"]) == ("Failed", error)
+    bms = {"metadata": {"name": "smollm2", "namespace": "ml"}, "spec": spec}
+    s = server_status(bms, deployment(1, 0), [model_pod("a")], {}, NOW, [report("a", "failed", error=error)])
+    assert s["draftModel"]["phase"] == s["model"]["phase"] == "Failed"
+    assert "draftModel" not in server_status({**bms, "spec": {"model": "smollm2-135m"}}, deployment(1, 1), [], {}, NOW)
 
 
 @pytest.mark.parametrize(

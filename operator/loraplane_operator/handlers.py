@@ -28,7 +28,7 @@ BMS = (c.GROUP, c.VERSION, c.BMS_PLURAL)
 LORA = (c.GROUP, c.VERSION, c.LORA_PLURAL)
 SERVER_PODS = {c.MANAGED_BY_LABEL: c.MANAGED_BY}
 SERVER_STATUS_KEYS = frozenset(
-    {"phase", "message", "replicas", "readyReplicas", "selector", "endpoints", "model", "autoscaling"}
+    {"phase", "message", "replicas", "readyReplicas", "selector", "endpoints", "model", "draftModel", "autoscaling"}
 )
 
 
@@ -128,18 +128,20 @@ async def server_status_timer(
     for key, value in st.status_patch(status, new, SERVER_STATUS_KEYS).items():
         patch.status[key] = value
     _report_model(body, status.get("model") or {}, new["model"])
+    if "draftModel" in new:
+        _report_model(body, status.get("draftModel") or {}, new["draftModel"], "DraftModel")
 
 
-def _report_model(body: kopf.Body, before: Mapping[str, Any], model: Mapping[str, Any]) -> None:
-    """An Event when the model's phase (or source) changes: Downloading, Loading, Ready, or Failed (a warning
-    with the reason). Nothing while it holds, however long a download takes."""
+def _report_model(body: kopf.Body, before: Mapping[str, Any], model: Mapping[str, Any], kind: str = "Model") -> None:
+    """An Event when the model's (or the draft model's) phase or source changes: Downloading, Loading, Ready, or
+    Failed (a warning with the reason). Nothing while it holds, however long a download takes."""
     if (before.get("phase"), before.get("source")) == (model["phase"], model["source"]):
         return
     message = f"{model['source']}: {model['message']}"[:1000]
     if model["phase"] == c.PHASE_FAILED:
-        kopf.warn(body, reason="ModelFailed", message=message)
+        kopf.warn(body, reason=f"{kind}Failed", message=message)
     elif model["phase"] != c.PHASE_PENDING:
-        kopf.info(body, reason=f"Model{model['phase']}", message=message)
+        kopf.info(body, reason=f"{kind}{model['phase']}", message=message)
 
 
 # LoRAAdapter

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from loraplane_operator import builders
@@ -135,10 +135,12 @@ class ModelReport:
     bytes_done: int = 0
     bytes_total: int | None = None
     error: str | None = None
+    draft: ModelReport | None = None  # the draft model's (spec.engine.draftModel), "pending" until it starts
 
 
 SERVER_PHASE_ORDER = ("resolving", "waiting", "downloading", "verifying", "converting", "loading", "ready")
 DOWNLOAD_PHASES = frozenset({"resolving", "waiting", "downloading", "verifying", "converting"})
+DRAFT_PENDING = "pending"  # a draft model's phase until the server starts on it (after the model's files)
 
 
 def _int_or_none(value: Any) -> int | None:
@@ -146,13 +148,18 @@ def _int_or_none(value: Any) -> int | None:
 
 
 def model_report(pod: str, body: Any) -> ModelReport | None:
-    """The report in a /ready body, None when it says nothing about the model."""
+    """The report in a /ready body, None when it says nothing about the model; the draft model's rides on it."""
     if not isinstance(body, dict):
         return None
     if body.get("status") == "failed":
         return ModelReport(pod, "failed", error=redact(str(body.get("error") or "the server failed to start")))
-    model = body.get("model")
-    if not isinstance(model, dict) or model.get("phase") not in SERVER_PHASE_ORDER:
+    model = _progress_report(pod, body.get("model"))
+    draft = _progress_report(pod, body.get("draft_model"), DRAFT_PENDING)
+    return None if model is None else replace(model, draft=draft)
+
+
+def _progress_report(pod: str, model: Any, *extra: str) -> ModelReport | None:
+    if not isinstance(model, dict) or model.get("phase") not in (*SERVER_PHASE_ORDER, *extra):
         return None
     done = _int_or_none(model.get("bytes_done")) or 0
     return ModelReport(pod, str(model["phase"]), done, _int_or_none(model.get("bytes_total")))
@@ -232,6 +239,9 @@ def model_phase(pods: Sequence[PodInfo], reports: Sequence[ModelReport], previou
     if best is not None:
         phase = "Downloading" if best.phase in DOWNLOAD_PHASES else "Loading"
         return _with_bytes({"phase": phase, "message": _report_message(best)}, best.bytes_done, best.bytes_total)
+    queued = [r.pod for r in reports if r.phase == DRAFT_PENDING]
+    if queued:
+        return {"phase": "Pending", "message": f"{queued[0]}: the draft model is fetched once the model's files are"}
     notes = [f"{p.name}: {p.note}" for p in pods if p.note]
     return {"phase": "Pending", "message": notes[0] if notes else "no server pod has reported its model yet"}
 
@@ -244,7 +254,28 @@ def model_status(
     now: str,
 ) -> dict[str, Any]:
     """status.model for spec.model, keeping lastTransitionTime (and the size) while the phase and source hold."""
-    source = str(spec.get("model") or builders.DEFAULT_MODEL)
+    return _source_status(str(spec.get("model") or builders.DEFAULT_MODEL), pods, reports, previous, now)
+
+
+def draft_model_status(
+    spec: Mapping[str, Any],
+    pods: Sequence[PodInfo],
+    reports: Sequence[ModelReport],
+    previous: Mapping[str, Any],
+    now: str,
+) -> dict[str, Any] | None:
+    """status.draftModel for spec.engine.draftModel (None without one), as status.model is for the model: from
+    the draft's own report in each /ready; a server that could not start fails both."""
+    source = (spec.get("engine") or {}).get("draftModel")
+    if not source:
+        return None
+    drafts = [r if r.error else r.draft for r in reports if r.error or r.draft]
+    return _source_status(str(source), pods, [r for r in drafts if r is not None], previous, now)
+
+
+def _source_status(
+    source: str, pods: Sequence[PodInfo], reports: Sequence[ModelReport], previous: Mapping[str, Any], now: str
+) -> dict[str, Any]:
     same_source = previous.get("source") == source
     model = {"source": source, **model_phase(pods, reports, previous if same_source else {})}
     same = same_source and previous.get("phase") == model["phase"]
@@ -312,7 +343,9 @@ def server_status(
     dep_spec = (deployment or {}).get("spec") or {}
     desired = int(dep_spec.get("replicas", spec.get("replicas", 1)))
     phase, message = server_phase(deployment, desired)
-    model = model_status(spec, current_pods(pods, spec), reports, previous.get("model") or {}, now)
+    current = current_pods(pods, spec)
+    model = model_status(spec, current, reports, previous.get("model") or {}, now)
+    draft = draft_model_status(spec, current, reports, previous.get("draftModel") or {}, now)
     if model["phase"] == c.PHASE_FAILED and not ready_pods(pods):
         phase, message = c.PHASE_FAILED, f"the model failed to load: {model['reason']}"
     port = builders.server_port(spec)
@@ -326,6 +359,7 @@ def server_status(
         "autoscaling": builders.autoscaler_kind(spec),
         "endpoints": {p.name: p.url(port) for p in ready_pods(pods)},
         "model": model,
+        **({"draftModel": draft} if draft is not None else {}),
         "conditions": [
             _condition("Ready", phase == c.PHASE_READY, phase, message, previous, now, generation),
             _condition(

@@ -24,11 +24,13 @@ async def health(request: Request) -> JSONResponse:
 @router.get("/ready")
 async def ready(request: Request) -> JSONResponse:
     """200 once the model is loaded, 503 while loading (with the start-up step and its seconds, and the
-    model's phase and bytes) and from SIGTERM on."""
+    model's phase and bytes, and the draft model's apart) and from SIGTERM on."""
     state = get_state(request)
     life, body = state.lifecycle, state.lifecycle.progress()
     if life.phase != Phase.FAILED:  # the failed body stays {"status", "error"}
         body["model"] = state.model_progress.as_dict()
+        if state.draft_progress is not None:
+            body["draft_model"] = state.draft_progress.as_dict()
     return JSONResponse(body, status_code=200 if life.is_ready else 503)
 
 

@@ -133,11 +133,13 @@ class ServerState:
         self.front: AsyncEngine | None = None
         self.special_ids: frozenset[int] = frozenset()
         self.model_progress = Progress(config.engine.model)  # /ready's "model"
+        draft = config.engine.draft_model
+        self.draft_progress = Progress(draft, "pending") if draft else None  # /ready's "draft_model"
         self._loads_seen = 0
 
     async def load(self) -> None:
         """Load the model off the event loop (so /health answers meanwhile), then mark the server ready."""
-        listener = StartupListener(self._on_phase, self.model_progress)
+        listener = StartupListener(self._on_phase, self.model_progress, self.draft_progress)
 
         def build() -> LLMEngine:  # on the thread that will step it: one OpenMP team (async_engine)
             engine_thread(self.config.torch_threads)
@@ -162,6 +164,8 @@ class ServerState:
         self.special_ids = frozenset(engine.tokenizer.all_special_ids)
         self.front = front
         self.model_progress.set_phase("ready")
+        if self.draft_progress is not None:
+            self.draft_progress.set_phase("ready")
         self.lifecycle.mark_ready()
         log.info(
             "loraplane: %s ready (%s, %d KV blocks, %d adapters known)",

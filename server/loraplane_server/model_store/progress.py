@@ -16,9 +16,11 @@ class Progress:
     """Where resolving one model stands: its phase and bytes, for /ready (read from another thread), a bar on
     a terminal, and log lines (logger "loraplane.model") at least every 10% or 10 s otherwise."""
 
-    def __init__(self, source: str) -> None:
+    def __init__(self, source: str, phase: str = "resolving") -> None:
         self.source = source
-        self.phase = "resolving"  # resolving | waiting | downloading | verifying | converting | loading | ready
+        # resolving | waiting | downloading | verifying | converting | loading | ready; a draft model's starts
+        # as pending (resolve() begins it once the model's files are in place)
+        self.phase = phase
         self.bytes_done = 0  # bytes of this source's files on disk, resumed or cached ones included
         self.bytes_total: int | None = None
         self.bytes_fetched = 0  # bytes this process transferred
@@ -90,12 +92,22 @@ class Progress:
 
 
 class StartupListener:
-    """An engine's on_phase callback that carries the model's Progress, so that the HTTP server's /ready
-    sees the download that LLMEngine runs (LLMEngine(config, on_phase) is its only channel)."""
+    """An engine's on_phase callback that carries the model's Progress (and the draft model's, each its own),
+    so that the HTTP server's /ready sees the downloads that LLMEngine runs (LLMEngine(config, on_phase) is
+    its only channel)."""
 
-    def __init__(self, on_step: Callable[[str], None], progress: Progress) -> None:
+    def __init__(
+        self, on_step: Callable[[str], None], progress: Progress, draft_progress: Progress | None = None
+    ) -> None:
         self.on_step = on_step
         self.progress = progress
+        self.draft_progress = draft_progress
 
     def __call__(self, step: str) -> None:
         self.on_step(step)
+
+    def progress_for(self, flag: str) -> Progress:
+        """The Progress of the model resolved for `flag` ("--model" or "--draft-model")."""
+        if flag == "--draft-model":
+            return self.draft_progress or Progress("draft model")
+        return self.progress
