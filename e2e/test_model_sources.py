@@ -104,7 +104,8 @@ def _pump(src: socket.socket, dst: socket.socket, throttle: ThrottledProxy | Non
 
 
 class PhaseRecorder:
-    """Watches the namespace's BaseModelServers and records each one's status.model phases in order."""
+    """Watches the namespace's BaseModelServers and records each one's status.model phases in order (and its
+    status.draftModel's, under "<name>/draft")."""
 
     def __init__(self, api: ApiClient, namespace: str) -> None:
         self.api = api
@@ -120,10 +121,12 @@ class PhaseRecorder:
         self._stop.set()
 
     def _record(self, bms: dict[str, Any]) -> None:
-        phase = ((bms.get("status") or {}).get("model") or {}).get("phase")
-        seen = self.phases.setdefault(bms["metadata"]["name"], [])
-        if phase and (not seen or seen[-1] != phase):
-            seen.append(phase)
+        status = bms.get("status") or {}
+        for key, suffix in (("model", ""), ("draftModel", "/draft")):
+            phase = (status.get(key) or {}).get("phase")
+            seen = self.phases.setdefault(bms["metadata"]["name"] + suffix, [])
+            if phase and (not seen or seen[-1] != phase):
+                seen.append(phase)
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -238,6 +241,8 @@ def test_a_s3_model_downloads_once_into_a_shared_claim(env: Env) -> None:
     env.bytes_sent_before = env.minio.sent_bytes()
     bms = s3_model_server(SERVER, env.adapters_dir, f"s3://{BUCKET}/{PREFIX}", SECRET, env.proxy.endpoint, 2)
     bms["spec"]["modelCache"] = {"volume": "PersistentVolumeClaim", "size": "2Gi"}
+    # a draft model from the same prefix: its own status, served from the entry the model's download filled
+    bms["spec"].setdefault("engine", {})["draftModel"] = f"s3://{BUCKET}/{PREFIX}"
     env.kubectl.apply(bms, env.namespace)
     lora = local_adapter_sample(ADAPTER, env.adapters_dir)
     lora["spec"]["baseModelServer"] = SERVER
@@ -254,8 +259,12 @@ def test_a_s3_model_downloads_once_into_a_shared_claim(env: Env) -> None:
     assert model["source"] == f"s3://{BUCKET}/{PREFIX}" and model.get("bytesTotal") in (None, env.model_bytes)
     conditions = {c["type"]: c for c in env.bms(SERVER)["status"]["conditions"]}
     assert conditions["ModelReady"]["status"] == "True"
+    draft_phases = env.recorder.phases.get(f"{SERVER}/draft", [])
+    draft = env.bms(SERVER)["status"]["draftModel"]
+    assert draft["source"] == f"s3://{BUCKET}/{PREFIX}" and draft["phase"] == "Ready", draft
+    assert draft_phases[-1] == "Ready" and "Failed" not in draft_phases, draft_phases
 
-    # one download for two pods: MinIO sent one copy of the model (plus listings and headers), not two
+    # one download for two pods and the draft (the same files): MinIO sent one copy (plus listings and headers)
     assert env.model_bytes <= sent < 1.5 * env.model_bytes, f"MinIO sent {sent} bytes for a {env.model_bytes} model"
 
     # the claim the operator created, bound through the PV controller to the node's local-path volume
@@ -281,7 +290,8 @@ def test_a_s3_model_downloads_once_into_a_shared_claim(env: Env) -> None:
     dumped = json.dumps([env.bms(SERVER), env.get("deploy", SERVER)])
     assert env.minio.secret_key not in dumped and env.minio.access_key not in dumped
     env.notes["pods"] = pods
-    print(f"{SERVER}: phases {phases}; MinIO sent {sent} bytes for a {env.model_bytes}-byte model")
+    print(f"{SERVER}: phases {phases}, the draft's {draft_phases}")
+    print(f"{SERVER}: MinIO sent {sent} bytes for a {env.model_bytes}-byte model")
 
 
 # b. a wrong source ends Failed with the reason, and no pod serves
