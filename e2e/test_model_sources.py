@@ -282,7 +282,10 @@ def test_a_s3_model_downloads_once_into_a_shared_claim(env: Env) -> None:
     header, row = table.splitlines()[:2]
     assert "MODEL-STATUS" in header.split() and "MODEL" in header.split()
     assert f"s3://{BUCKET}/{PREFIX}" in row.split() and "Ready" in row.split(), table
-    assert "DOWNLOADED" in env.kubectl("get", "bms", SERVER, "-n", env.namespace, "-o", "wide").splitlines()[0]
+    wide = env.kubectl("get", "bms", SERVER, "-n", env.namespace, "-o", "wide").splitlines()
+    assert "DOWNLOADED" in wide[0] and "DRAFT-STATUS" in wide[0], wide
+    column = wide[0].index("DRAFT-STATUS")  # kubectl aligns a column's values under its header
+    assert wide[1][column:].split()[0] == "Ready", wide
 
     # the adapter is prewarmed on both pods; credentials never reach the spec or the status
     names = sorted(p["metadata"]["name"] for p in pods)

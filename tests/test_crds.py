@@ -246,6 +246,7 @@ def test_model_columns():
     assert paths["Model"] == (".spec.model", 0)
     assert paths["Model-Status"] == (".status.model.phase", 0)
     assert paths["Downloaded"] == (".status.model.progress", 1)
+    assert paths["Draft-Status"] == (".status.draftModel.phase", 1)
 
 
 def test_wide_columns_show_what_is_in_force_and_where():
