@@ -19,7 +19,7 @@ class Progress:
     def __init__(self, source: str, phase: str = "resolving") -> None:
         self.source = source
         # resolving | waiting | downloading | verifying | converting | loading | ready; a draft model's starts
-        # as pending (resolve() begins it once the model's files are in place)
+        # as pending (resolve_model begins it once the model's files are in place)
         self.phase = phase
         self.bytes_done = 0  # bytes of this source's files on disk, resumed or cached ones included
         self.bytes_total: int | None = None
@@ -106,8 +106,9 @@ class StartupListener:
     def __call__(self, step: str) -> None:
         self.on_step(step)
 
-    def progress_for(self, flag: str) -> Progress:
-        """The Progress of the model resolved for `flag` ("--model" or "--draft-model")."""
+    def progress_for(self, flag: str, source: str) -> Progress:
+        """The Progress of the model resolved for `flag` ("--model", or "--draft-model": a listener without the
+        draft's Progress gets one of its own that nothing reads, never the model's)."""
         if flag == "--draft-model":
-            return self.draft_progress or Progress("draft model")
+            return self.draft_progress or Progress(source)
         return self.progress

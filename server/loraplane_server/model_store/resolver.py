@@ -24,7 +24,8 @@ def default_cache_dir() -> Path:
 def resolve_model(config: EngineConfig, on_phase: Callable[[str], None] | None = None, flag: str = "--model") -> Path:
     """The engine's entry: config.model -> a verified model directory (the Progress rides on a StartupListener).
     flag: the option errors name (the draft model comes through here too)."""
-    progress = on_phase.progress_for(flag) if isinstance(on_phase, StartupListener) else Progress(config.model)
+    listener = on_phase if isinstance(on_phase, StartupListener) else None
+    progress = listener.progress_for(flag, config.model) if listener else Progress(config.model)
     if progress.phase == "pending":  # a draft model's, waiting until now
         progress.set_phase("resolving")
     cache = Path(config.model_cache).expanduser() if config.model_cache else default_cache_dir()
