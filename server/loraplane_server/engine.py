@@ -274,7 +274,8 @@ class LLMEngine:
             if not outputs and self.scheduler.num_waiting:
                 self.adapters.wait_for_completion(0.01)  # only adapter loads can unblock the queue
             return outputs
-        decoding = all(s.num_computed_tokens == len(s) - 1 for s, _ in scheduled)
+        # the draft's cost model times decode-only steps; without a draft nothing is looked at
+        decoding = self.draft_policy is not None and all(s.num_computed_tokens == len(s) - 1 for s, _ in scheduled)
         run_start = time.perf_counter()
         samplers, tokens, logprobs = self.runner.run(scheduled)
         end = time.perf_counter()
