@@ -42,6 +42,7 @@ from multi_lora import (
 )
 
 from loraplane_server.builtin import resolve_model
+from loraplane_server.draft import weight_bytes as model_weight_bytes  # bench: weight_bytes is this file's own
 from loraplane_server.engine import LLMEngine
 from loraplane_server.layers.linear import ProjectionLinear
 
@@ -68,7 +69,7 @@ def weight_bytes(engine: LLMEngine) -> dict[str, int]:
         for t in (m.weight, m.weight_scale, m.weight_sum, m.bias)
         if t is not None
     )
-    everything = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    everything = model_weight_bytes(model)  # every parameter and buffer
     scales = sum(
         t.numel() * t.element_size()
         for m in model.modules()
