@@ -154,7 +154,7 @@ def local_server_sample(adapters_dir: Path, replicas: int = 2) -> dict[str, Any]
     spec = bms["spec"]
     spec["replicas"] = replicas
     spec["command"] = [sys.executable, "-m", "loraplane_server.cli", "serve"]
-    spec["resources"] = {"gpus": 0}
+    spec["resources"] = {"gpus": 0}  # --device cpu: with a GPU the operator passes --device cuda, failing here
     spec["engine"] = {
         "maxLoras": 4,
         "maxLoraRank": 64,

@@ -267,6 +267,10 @@ def _check_dry_run(env: Env, docs: list[dict[str, Any]]) -> None:
     bad["spec"]["autoscaling"].update(minReplicas=5, maxReplicas=2)
     with pytest.raises(KubectlError, match="minReplicas must not exceed"):
         dry_run(env, [bad])
+    eager_on_cpu = copy.deepcopy(next(d for d in docs if d["kind"] == "BaseModelServer"))
+    eager_on_cpu["spec"]["engine"]["enforceEager"] = True  # the chart's server has resources.gpus 0
+    with pytest.raises(KubectlError, match="engine.enforceEager applies only to GPU servers"):
+        dry_run(env, [eager_on_cpu])
     stored = env.kubectl.json("get", "lora,bms,deploy,job,clusterrole", "-A", "-l", "app.kubernetes.io/instance=dry")
     assert not stored["items"], "a dry run stored objects"
 

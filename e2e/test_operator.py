@@ -258,6 +258,17 @@ def test_a_crds_and_samples_apply_and_schema_rejects_invalid(env: Env) -> None:
     bad_server["spec"]["autoscaling"] = {"enabled": True, "minReplicas": 5, "maxReplicas": 2}
     with pytest.raises(KubectlError, match="autoscaling.minReplicas must not exceed autoscaling.maxReplicas"):
         kubectl.apply(bad_server, env.namespace)
+    # GPU settings on a CPU server, and more than one GPU, are refused with the CRD's rules' lines
+    cpu_tuned = local_server_sample(env.adapters_dir)
+    cpu_tuned["metadata"]["name"] = "bad-gpu-settings"
+    cpu_tuned["spec"]["engine"]["gpuMemoryUtilization"] = 0.9
+    with pytest.raises(KubectlError, match=r"engine.gpuMemoryUtilization applies only to GPU servers \(resources"):
+        kubectl.apply(cpu_tuned, env.namespace)
+    two_gpus = local_server_sample(env.adapters_dir)
+    two_gpus["metadata"]["name"] = "bad-gpus"
+    two_gpus["spec"]["resources"] = {"gpus": 2}
+    with pytest.raises(KubectlError, match="serves a model on one GPU: resources.gpus must be 0 or 1"):
+        kubectl.apply(two_gpus, env.namespace)
     # baseModelServer is immutable
     moved = local_adapter_sample("french", env.adapters_dir)
     moved["spec"]["baseModelServer"] = "another"
@@ -277,6 +288,7 @@ def test_b_server_deployment_service_and_ready_pods(env: Env) -> None:
     container = deployment["spec"]["template"]["spec"]["containers"][0]
     assert container["command"][1:] == ["-m", "loraplane_server.cli", "serve"]
     assert "--adapter-source-allow" in container["args"] and "$(POD_IP)" in container["args"]
+    assert container["args"][container["args"].index("--device") + 1] == "cpu"  # resources.gpus 0: no CUDA probe
     service = env.get("service", SERVER)
     assert service["spec"]["selector"][SERVER_LABEL] == SERVER
     assert service["spec"]["ports"][0]["port"] == 8080

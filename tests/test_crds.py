@@ -39,8 +39,13 @@ def strip_extensions(node):
     return node
 
 
+# a CRD schema is OpenAPI v3.0, whose exclusiveMinimum/exclusiveMaximum are booleans beside minimum/maximum, as in
+# JSON Schema draft 4 (later drafts take a number there, and would read `true` as 1)
+OpenAPIValidator = jsonschema.Draft4Validator
+
+
 def validate(kind: str, obj: dict) -> None:
-    jsonschema.validate(obj, strip_extensions(schema_of(kind)))
+    jsonschema.validate(obj, strip_extensions(schema_of(kind)), cls=OpenAPIValidator)
 
 
 def walk(node: dict, path: str = ""):
@@ -144,7 +149,7 @@ def test_defaults_are_valid_under_their_schemas(kind):
     for _path, node in walk(schema_of(kind)):
         if "default" in node:
             plain = strip_extensions({k: v for k, v in node.items() if k != "default"})
-            jsonschema.validate(node["default"], plain)
+            jsonschema.validate(node["default"], plain, cls=OpenAPIValidator)
             num += 1
     assert num >= 3
 
@@ -199,6 +204,12 @@ def test_defaulting_fills_what_the_operator_relies_on():
         ("BaseModelServer", {"engine": {"draftModel": ""}}),
         ("BaseModelServer", {"engine": {"draftModel": "/m" * 600}}),
         ("BaseModelServer", {"engine": {"hostCacheBytes": "lots"}}),
+        ("BaseModelServer", {"engine": {"gpuMemoryUtilization": 0}}),
+        ("BaseModelServer", {"engine": {"gpuMemoryUtilization": -0.5}}),
+        ("BaseModelServer", {"engine": {"gpuMemoryUtilization": 1.01}}),
+        ("BaseModelServer", {"engine": {"gpuMemoryUtilization": "90%"}}),
+        ("BaseModelServer", {"engine": {"enforceEager": "yes"}}),
+        ("BaseModelServer", {"resources": {"gpus": -1}}),
         ("BaseModelServer", {"resources": {"requests": {"memory": "16 gigs"}}}),
         ("BaseModelServer", {"autoscaling": {"kind": "vpa"}}),
     ],
@@ -509,6 +520,71 @@ def test_cel_speculative_draft_needs_a_draft_model():
     for method in ("off", "ngram"):
         assert violations("BaseModelServer", bms(engine={"speculative": method})) == []
     assert violations("BaseModelServer", bms(engine={})) == []
+
+
+def test_gpu_engine_fields_bounds():
+    """gpuMemoryUtilization is a fraction in (0, 1]: an exclusive minimum, as OpenAPI v3.0 writes one."""
+    node = schema_of("BaseModelServer")["properties"]["spec"]["properties"]["engine"]["properties"]
+    assert (node["gpuMemoryUtilization"]["minimum"], node["gpuMemoryUtilization"]["exclusiveMinimum"]) == (0, True)
+    assert node["gpuMemoryUtilization"]["maximum"] == 1 and node["enforceEager"]["type"] == "boolean"
+    for fraction in (0.01, 0.5, 0.9, 1):
+        validate("BaseModelServer", bms(engine={"gpuMemoryUtilization": fraction}))
+
+
+GPU_ONLY = "applies only to GPU servers (resources.gpus > 0)"
+ONE_GPU = "the loraplane engine serves a model on one GPU: resources.gpus must be 0 or 1"
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"engine": {"gpuMemoryUtilization": 0.9, "enforceEager": True}},  # resources left out: gpus defaults to 1
+        {"resources": {}, "engine": {"gpuMemoryUtilization": 0.5}},
+        {"resources": {"requests": {"cpu": "2"}}, "engine": {"enforceEager": True}},
+        {"resources": {"gpus": 1}, "engine": {"gpuMemoryUtilization": 1, "enforceEager": False}},
+        {"resources": {"gpus": 0}, "engine": {"enforceEager": False}},  # false asks for nothing
+        {"resources": {"gpus": 0}, "engine": {"maxLoras": 4}},
+        {"resources": {"gpus": 0}},
+        {"engine": {}},
+    ],
+)
+def test_cel_accepts_gpu_settings_where_they_apply(spec):
+    assert ".spec" in rule_paths("BaseModelServer") and ".spec.resources" in rule_paths("BaseModelServer")
+    assert violations("BaseModelServer", bms(**spec)) == []
+    validate("BaseModelServer", bms(**spec))
+
+
+@pytest.mark.parametrize(
+    ("spec", "expected"),
+    [
+        (
+            {"resources": {"gpus": 0}, "engine": {"gpuMemoryUtilization": 0.9}},
+            f"engine.gpuMemoryUtilization {GPU_ONLY}",
+        ),
+        ({"resources": {"gpus": 0}, "engine": {"enforceEager": True}}, f"engine.enforceEager {GPU_ONLY}"),
+        ({"resources": {"gpus": 2}}, ONE_GPU),
+        ({"resources": {"gpus": 8, "requests": {"cpu": "8"}}, "engine": {"gpuMemoryUtilization": 0.9}}, ONE_GPU),
+    ],
+)
+def test_cel_rejects_gpu_settings_that_do_not_apply(spec, expected):
+    assert one_violation(spec) == expected
+    validate("BaseModelServer", bms(**spec))  # the schema lets them through: the rules say why, in one line
+
+
+def test_cel_gpu_rules_without_defaults():
+    """The rules hold on an object the defaults did not reach (resources or gpus absent means one GPU)."""
+    gpu_rules = [(r, m) for path, r, m in rules("BaseModelServer") if path == ".spec" and GPU_ONLY in m]
+    (gpus_rule,) = [r for path, r, _ in rules("BaseModelServer") if path == ".spec.resources"]
+
+    def broken(spec: dict) -> list[str]:
+        return [m for r, m in gpu_rules if not program(r).evaluate({"self": celpy.json_to_cel(spec)})]
+
+    settings = {"gpuMemoryUtilization": 0.9, "enforceEager": True}
+    assert len(gpu_rules) == 2
+    for spec in ({}, {"engine": settings}, {"resources": {}}, {"resources": {}, "engine": settings}):
+        assert broken(spec) == [], spec
+    assert len(broken({"resources": {"gpus": 0}, "engine": settings})) == 2
+    assert program(gpus_rule).evaluate({"self": celpy.json_to_cel({})})
 
 
 @pytest.mark.parametrize(

@@ -345,6 +345,36 @@ def test_example_values_render_a_valid_server(helm: str, example: Path) -> None:
     (ctr,) = dep["spec"]["template"]["spec"]["containers"]
     assert ctr["args"][ctr["args"].index("--model-cache") + 1] == ctr["volumeMounts"][0]["mountPath"]
     assert all("value" not in e for e in ctr["env"] if e["name"] in ("HF_TOKEN", "AWS_SECRET_ACCESS_KEY"))
+    # GPU pods (gpus: 1) serve on the GPU: the operator passes --device cuda, and the engine's GPU settings
+    assert spec["resources"]["gpus"] == 1 and ctr["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert ctr["args"][ctr["args"].index("--device") + 1] == "cuda"
+    fraction = values["engine"].get("gpuMemoryUtilization")
+    if fraction is not None:
+        assert ctr["args"][ctr["args"].index("--gpu-memory-utilization") + 1] == str(fraction)
+
+
+def test_gpu_engine_values_pass_through(helm: str, tmp_path: Path) -> None:
+    """server.engine's GPU settings reach spec.engine and become the server's flags; on a CPU server
+    (resources.gpus 0) the CRD's rules refuse them."""
+    engine = {"maxLoras": 8, "gpuMemoryUtilization": 0.85, "enforceEager": True}
+    gpu = {"enabled": True, "engine": engine}
+    bms = _one(_render(helm, "-f", _values_file(tmp_path, {"server": gpu}, "gpu.yaml")), "BaseModelServer")
+    assert bms["spec"]["engine"] == engine and bms["spec"]["resources"] == {"gpus": 1}
+    validate("BaseModelServer", bms)
+    assert violations("BaseModelServer", bms) == []
+    args = builders.server_args(bms["spec"])
+    assert args[args.index("--device") + 1] == "cuda" and args[args.index("--gpu-memory-utilization") + 1] == "0.85"
+    assert "--enforce-eager" in args
+    cpu = {**gpu, "resources": {"gpus": 0}}
+    bms = _one(_render(helm, "-f", _values_file(tmp_path, {"server": cpu}, "cpu.yaml")), "BaseModelServer")
+    assert sorted(violations("BaseModelServer", bms)) == [
+        "engine.enforceEager applies only to GPU servers (resources.gpus > 0)",
+        "engine.gpuMemoryUtilization applies only to GPU servers (resources.gpus > 0)",
+    ]
+    cpu["engine"] = {"maxLoras": 8}
+    bms = _one(_render(helm, "-f", _values_file(tmp_path, {"server": cpu}, "cpu.yaml")), "BaseModelServer")
+    assert violations("BaseModelServer", bms) == []
+    assert builders.server_args(bms["spec"])[2:4] == ["--device", "cpu"]
 
 
 def test_model_cache_and_credentials_are_left_out_by_default(helm: str, tmp_path: Path) -> None:

@@ -43,7 +43,7 @@ def test_deployment_defaults():
     assert dep["spec"]["strategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
     ctr = container(dep)
     assert ctr["command"] == ["loraplane", "serve"]
-    assert ctr["args"] == ["--model", "smollm2-135m", "--host", "$(POD_IP)", "--port", "8080"]
+    assert ctr["args"] == ["--model", "smollm2-135m", "--device", "cuda", "--host", "$(POD_IP)", "--port", "8080"]
     assert ctr["env"] == [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
     assert ctr["ports"] == [{"name": "http", "containerPort": 8080, "protocol": "TCP"}]
     assert ctr["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
@@ -95,7 +95,7 @@ def test_deployment_with_everything():
     pod = dep["spec"]["template"]["spec"]
     ctr = container(dep)
     assert ctr["command"] == ["python", "-m", "loraplane_server.cli", "serve"]
-    assert ctr["args"][:6] == ["--model", "/models/llama", "--host", "$(POD_IP)", "--port", "9000"]
+    assert ctr["args"][:8] == ["--model", "/models/llama", "--device", "cpu", "--host", "$(POD_IP)", "--port", "9000"]
     assert ctr["args"][-2:] == ["--log-level", "debug"]
     pairs = dict(zip(ctr["args"][:-2:2], ctr["args"][1:-2:2], strict=True))
     assert pairs["--quantization"] == "int8" and pairs["--dtype"] == "bfloat16" and pairs["--speculative"] == "draft"
@@ -109,6 +109,43 @@ def test_deployment_with_everything():
     assert pod["tolerations"][0]["key"] == "nvidia.com/gpu"
     assert pod["serviceAccountName"] == "reader"
     assert pod["terminationGracePeriodSeconds"] > 30
+
+
+@pytest.mark.parametrize(
+    ("resources", "device"),
+    [
+        (None, "cuda"),  # resources left out: gpus defaults to 1
+        ({}, "cuda"),
+        ({"requests": {"cpu": "2"}}, "cuda"),
+        ({"gpus": 1}, "cuda"),
+        ({"gpus": 0}, "cpu"),
+        ({"gpus": 0, "limits": {"cpu": 4}}, "cpu"),
+    ],
+)
+def test_device_follows_the_requested_gpus(resources, device):
+    """A GPU pod is told --device cuda (it fails at start without a usable GPU, never loading the model on the
+    node's CPU); a CPU pod --device cpu (it never probes for CUDA). Right after the model flags, before the
+    user's args."""
+    spec = {"model": "s3://models/x", "modelCache": {}, "args": ["--device", "cuda:1"]}
+    if resources is not None:
+        spec["resources"] = resources
+    args = container(builders.get_deployment(bms(**spec)))["args"]
+    assert args[:6] == ["--model", "s3://models/x", "--model-cache", builders.DEFAULT_CACHE_MOUNT, "--device", device]
+    assert args.count("--device") == 2 and args[-2:] == ["--device", "cuda:1"]  # the user's own args come last
+
+
+def test_gpu_engine_fields_become_flags():
+    engine = {"gpuMemoryUtilization": 0.85, "enforceEager": True, "maxLoras": 4}
+    args = container(builders.get_deployment(bms(engine=engine)))["args"]
+    assert args[args.index("--gpu-memory-utilization") + 1] == "0.85"
+    assert args.count("--enforce-eager") == 1
+    assert "True" not in args and "true" not in args  # a store_true flag takes no value
+    off = container(builders.get_deployment(bms(engine={"enforceEager": False, "gpuMemoryUtilization": 1})))["args"]
+    assert "--enforce-eager" not in off and "False" not in off
+    assert off[off.index("--gpu-memory-utilization") + 1] == "1"
+    assert builders.engine_args({}) == []
+    # a changed GPU setting rolls the pods
+    assert builders.config_hash({"engine": {"enforceEager": True}}) != builders.config_hash({"engine": {}})
 
 
 def test_the_draft_model_shares_the_model_cache_and_credentials():

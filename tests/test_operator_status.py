@@ -1006,6 +1006,42 @@ def test_server_status_failed_model_in_phase_and_conditions():
     assert fixed["phase"] == "Ready" and conditions["ModelReady"]["status"] == "True"
 
 
+NO_GPU = "--device cuda: no CUDA device is visible (torch.cuda.is_available() is False: no NVIDIA driver found)"
+NO_GPU_LOG = (
+    "INFO loraplane serve --model smollm2-135m --device cuda\n"
+    "/app/torch/cuda/__init__.py:129: UserWarning: CUDA initialization: Found no NVIDIA driver on your system.\n"
+    f"loraplane: failed to start: {NO_GPU}\n"
+)
+
+
+@pytest.mark.parametrize(
+    "container",
+    [
+        server_container({"terminated": terminated(NO_GPU_LOG)}),
+        server_container(
+            {"waiting": {"reason": "CrashLoopBackOff"}}, last={"terminated": terminated(NO_GPU_LOG)}, restarts=4
+        ),
+    ],
+    ids=["terminated", "crash-loop"],
+)
+def test_a_gpu_server_without_a_usable_gpu_fails_the_model_with_the_reason(container):
+    """Issue 35: resources.gpus 1 makes the pod `--device cuda`; on a node where it cannot use the GPU the server
+    exits at start with its failure line (never loading the model on the CPU), and status.model, the phase and
+    ModelReady say why."""
+    spec = {"model": "smollm2-135m", "resources": {"gpus": 1}}
+    assert builders.server_args(spec)[2:4] == ["--device", "cuda"]
+    pod = model_pod("smollm2-a", containers=[container], config_hash=builders.config_hash(spec))
+    assert pod.failure == NO_GPU
+    bms = {"metadata": {"name": "smollm2", "namespace": "ml", "generation": 1}, "spec": spec}
+    s = server_status(bms, deployment(1, 0), [pod], {}, NOW)
+    model = s["model"]
+    assert (model["phase"], model["reason"], model["source"]) == ("Failed", NO_GPU, "smollm2-135m")
+    assert model["message"] == f"smollm2-a: the server failed to start: {NO_GPU}"
+    assert s["phase"] == "Failed" and s["message"] == f"the model failed to load: {NO_GPU}"
+    model_ready = {x["type"]: x for x in s["conditions"]}["ModelReady"]
+    assert (model_ready["status"], model_ready["reason"]) == ("False", "Failed") and NO_GPU in model_ready["message"]
+
+
 class FakeReady:
     """A starting server's /ready on 127.0.0.1: 503 with the model object; records the headers it got."""
 

@@ -31,6 +31,7 @@ ENGINE_FLAGS = {
     "maxNumBatchedTokens": "--max-num-batched-tokens",
     "maxModelLen": "--max-model-len",
     "kvCacheGiB": "--kv-cache-gib",
+    "gpuMemoryUtilization": "--gpu-memory-utilization",
     "hostCacheBytes": "--host-cache-bytes",
     "diskCacheBytes": "--disk-cache-bytes",
     "dtype": "--dtype",
@@ -38,6 +39,10 @@ ENGINE_FLAGS = {
     "speculative": "--speculative",
     "draftModel": "--draft-model",  # the server resolves it as --model: same credentials env and model cache
     "maxQueue": "--max-queue",
+}
+# boolean engine field -> `loraplane serve` store_true flag: true passes the flag, false passes nothing
+ENGINE_SWITCHES = {
+    "enforceEager": "--enforce-eager",
 }
 # spec fields that do not change the pod template (scaling is not a new configuration)
 UNHASHED_FIELDS = ("replicas", "autoscaling")
@@ -77,17 +82,38 @@ def config_hash(spec: Mapping[str, Any]) -> str:
     return hashlib.sha256(json.dumps(relevant, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def server_args(spec: Mapping[str, Any]) -> list[str]:
-    """The flags after the command: model, model cache, address, engine settings, allowed adapter sources,
-    extras."""
-    args = ["--model", str(spec.get("model") or DEFAULT_MODEL)]
-    if spec.get("modelCache") is not None:
-        args += ["--model-cache", cache_mount_path(spec)]
-    args += ["--host", f"$({c.POD_IP_ENV})", "--port", str(server_port(spec))]
-    engine = spec.get("engine") or {}
+def gpu_count(spec: Mapping[str, Any]) -> int:
+    """spec.resources.gpus, 1 when left out (the CRD's default)."""
+    return int((spec.get("resources") or {}).get("gpus", 1))
+
+
+def device_flag(spec: Mapping[str, Any]) -> str:
+    """`--device` from the GPUs the pod requests: cuda with a GPU (the server then fails at start without a
+    usable one, never falling back to the CPU), cpu without (no CUDA probe)."""
+    return "cuda" if gpu_count(spec) > 0 else "cpu"
+
+
+def engine_args(engine: Mapping[str, Any]) -> list[str]:
+    """spec.engine as flags; fields left out keep the server's defaults."""
+    args: list[str] = []
     for field, flag in ENGINE_FLAGS.items():
         if engine.get(field) is not None:
             args += [flag, str(engine[field])]
+    for field, flag in ENGINE_SWITCHES.items():
+        if engine.get(field) is True:
+            args.append(flag)
+    return args
+
+
+def server_args(spec: Mapping[str, Any]) -> list[str]:
+    """The flags after the command: model, model cache, device, address, engine settings, allowed adapter
+    sources, extras."""
+    args = ["--model", str(spec.get("model") or DEFAULT_MODEL)]
+    if spec.get("modelCache") is not None:
+        args += ["--model-cache", cache_mount_path(spec)]
+    args += ["--device", device_flag(spec)]
+    args += ["--host", f"$({c.POD_IP_ENV})", "--port", str(server_port(spec))]
+    args += engine_args(spec.get("engine") or {})
     for prefix in spec.get("adapterSourceAllow") or []:
         args += ["--adapter-source-allow", str(prefix)]
     return args + [str(a) for a in spec.get("args") or []]
@@ -182,7 +208,7 @@ def _resources(spec: Mapping[str, Any]) -> dict[str, Any]:
     res = spec.get("resources") or {}
     requests = dict(res.get("requests") or {})
     limits = dict(res.get("limits") or {})
-    gpus = int(res.get("gpus", 1))
+    gpus = gpu_count(spec)
     if gpus > 0:
         limits[c.GPU_RESOURCE] = gpus
     out: dict[str, Any] = {}
