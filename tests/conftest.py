@@ -14,6 +14,7 @@ import torch
 
 from loraplane_server import cpu_features
 from loraplane_server.builtin import resolve_model
+from loraplane_server.device import cuda_unusable_reason
 from loraplane_server.layers import cpu_kernels
 
 # kind -> (transformers config class, model class, what the kind adds to the common config)
@@ -105,6 +106,8 @@ def pytest_report_header() -> str:
 def pytest_runtest_setup(item: pytest.Item) -> None:
     """The instruction-set markers, asked of the kernel library itself (what it was built for, which
     LORAPLANE_CPU_ISA=avx2 caps), so a test runs exactly where the engine would take its path."""
+    if item.get_closest_marker("gpu") and (reason := cuda_unusable_reason()) is not None:
+        pytest.skip(f"needs a CUDA GPU: {reason}")
     needs_kernels = item.get_closest_marker("requires_cpu_kernels") or item.get_closest_marker("requires_bf16_kernels")
     if needs_kernels and not cpu_kernels.load():
         pytest.skip(f"the CPU kernels did not build: {cpu_kernels.load_error()}")

@@ -30,6 +30,15 @@ class Backends:
         """The resolved layer_backend: cpu_kernel or torch."""
         return "cpu_kernel" if self.layer_kernels else "torch"
 
+    def to_dict(self) -> dict[str, str | bool]:
+        """Every backend chosen, by concern, for /v1/debug/engine."""
+        return {
+            "attention": self.attention.name,
+            "layers": self.layer_backend,
+            "lora": self.lora.name,
+            "fuse_layers": self.fuse_layers,
+        }
+
     def describe(self, fused: bool) -> str:
         """The paths this engine runs, for its start-up log line and /v1/debug/engine; fused: whether the
         model's layers run as the one-call CPU layer (the switch and the model family both allow it)."""

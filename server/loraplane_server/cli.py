@@ -7,7 +7,7 @@ import os
 import sys
 import time
 
-from loraplane_server.config import EngineConfig
+from loraplane_server.config import EngineConfig, check_device_name
 from loraplane_server.sampling_params import SamplingParams
 
 
@@ -31,6 +31,27 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         default=_env_flag("HF_HUB_OFFLINE"),
         help="use the model cache only, never download (default: on when HF_HUB_OFFLINE=1)",
     )
+    p.add_argument(
+        "--device",
+        default="auto",
+        type=_device_name,
+        help="auto (default: CUDA when torch sees a GPU, else the CPU), cpu, cuda or cuda:N; a CUDA device that "
+        "cannot serve (no CUDA build of torch, no GPU visible, a driver that does not answer) fails the start "
+        "with the reason, never falls back to the CPU",
+    )
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        metavar="F",
+        help="CUDA: the fraction of the GPU's memory this server takes (default 0.9): the weights and a profiled "
+        "peak step first, the KV cache gets the rest (unless --kv-cache-gib fixes it); refused on the CPU",
+    )
+    p.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="CUDA: never run decode as CUDA graphs (they are not built yet: every step runs eagerly either way)",
+    )
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     p.add_argument(
         "--quantization",
@@ -42,7 +63,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--kv-cache-gib", type=float, default=1.0)
+    p.add_argument(
+        "--kv-cache-gib",
+        type=float,
+        default=None,
+        help="KV-cache size (default: 1 on the CPU; on CUDA what --gpu-memory-utilization leaves)",
+    )
     p.add_argument(
         "--attention-backend",
         default="auto",
@@ -103,7 +129,7 @@ def _config(a: argparse.Namespace) -> EngineConfig:
         quantization=a.quantization,
         max_num_seqs=a.max_num_seqs,
         max_num_batched_tokens=a.max_num_batched_tokens,
-        kv_cache_bytes=int(a.kv_cache_gib * 2**30),
+        **_device_fields(a),
         attention_backend=a.attention_backend,
         layer_backend=a.layer_backend,
         speculative=a.speculative,
@@ -118,6 +144,24 @@ def _params(a: argparse.Namespace) -> SamplingParams:
     return SamplingParams(
         max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, seed=a.seed
     )
+
+
+def _device_name(value: str) -> str:
+    try:
+        check_device_name(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
+
+
+def _device_fields(a: argparse.Namespace) -> dict:
+    """The device options of both EngineConfigs (chat and serve)."""
+    return {
+        "device": a.device,
+        "gpu_memory_utilization": a.gpu_memory_utilization,
+        "enforce_eager": a.enforce_eager,
+        "kv_cache_bytes": None if a.kv_cache_gib is None else int(a.kv_cache_gib * 2**30),
+    }
 
 
 def _env_flag(name: str) -> bool:
@@ -195,7 +239,7 @@ def _server_config(a: argparse.Namespace):  # noqa: ANN202 - imported lazily: ch
         quantization=a.quantization,
         max_num_seqs=a.max_num_seqs,
         max_num_batched_tokens=a.max_num_batched_tokens,
-        kv_cache_bytes=int(a.kv_cache_gib * 2**30),
+        **_device_fields(a),
         num_kv_blocks=a.num_kv_blocks,
         max_model_len=a.max_model_len,
         max_loras=a.max_loras,
@@ -243,6 +287,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
 def cmd_chat(a: argparse.Namespace) -> int:
     """Chat with the model: one answer for --prompt, else a prompt loop on stdin."""
+    from loraplane_server.device import DeviceError
     from loraplane_server.draft import DraftModelError
     from loraplane_server.engine import LLMEngine
     from loraplane_server.sources import ModelSourceError
@@ -254,7 +299,7 @@ def cmd_chat(a: argparse.Namespace) -> int:
         return 2
     try:
         engine = LLMEngine(config)
-    except (ModelSourceError, DraftModelError) as exc:  # says what to fix: no traceback
+    except (ModelSourceError, DraftModelError, DeviceError) as exc:  # says what to fix: no traceback
         print(f"loraplane: failed to start: {exc}", file=sys.stderr)
         return 1
     history: list[dict[str, str]] = []

@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+
+CPU_KV_CACHE_BYTES = 1 << 30  # the CPU's KV cache when kv_cache_bytes is not set
+DEVICE_PATTERN = re.compile(r"(auto|cpu|cuda(:\d{1,3})?)")
+
+
+def check_device_name(name: str) -> None:
+    """Raise ValueError unless `name` is auto, cpu, cuda or cuda:N."""
+    if not DEVICE_PATTERN.fullmatch(name):
+        raise ValueError(f"device={name!r}: expected auto, cpu, cuda or cuda:N")
 
 
 @dataclass(frozen=True)
@@ -17,10 +27,18 @@ class EngineConfig:
     # output channel, quantized at load; activations, LoRA, norms, the KV cache, embedding and lm_head keep dtype.
     # A pre-quantized int8 checkpoint (models/quantized.py) is served as int8 whatever this says.
     quantization: str = "none"
-    device: str = "cpu"
+    # auto (CUDA when torch sees a GPU, else the CPU) | cpu | cuda | cuda:N (device.py); a CUDA device that cannot
+    # serve is an error at start, never a CPU fallback
+    device: str = "auto"
+    # CUDA: the fraction of the GPU's memory this engine takes (weights, the profiled peak step, then the KV cache
+    # and adapter slots, as vLLM's flag); None: DEFAULT_GPU_MEMORY_UTILIZATION. Refused on the CPU.
+    gpu_memory_utilization: float | None = None
+    # CUDA: decode steps run eagerly, never as CUDA graphs (graphs are not built yet: every step is eager)
+    enforce_eager: bool = False
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: derived from kv_cache_bytes
-    kv_cache_bytes: int = 1 << 30
+    # None: 1 GiB on the CPU; on CUDA what the GPU memory budget leaves (a number here fixes it instead)
+    kv_cache_bytes: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # None: the model's own context length
@@ -59,6 +77,11 @@ class EngineConfig:
     speculative_max_step_tokens: int = 32
 
     def __post_init__(self) -> None:
+        check_device_name(self.device)
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization}: expected a fraction in (0, 1]")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
+            raise ValueError("kv_cache_bytes must be >= 1")
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
             raise ValueError(f"dtype={self.dtype!r}: expected auto, bfloat16, float16 or float32")
         if self.quantization not in ("none", "int8"):

@@ -19,7 +19,16 @@ import torch
 from loraplane_server import cpu_features
 from loraplane_server.backends import resolve_backends
 from loraplane_server.block_manager import BlockManager
-from loraplane_server.config import EngineConfig
+from loraplane_server.config import CPU_KV_CACHE_BYTES, EngineConfig
+from loraplane_server.device import (
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    DeviceError,
+    MemoryPlan,
+    check_weights_fit,
+    device_info,
+    plan_gpu_memory,
+    resolve_device,
+)
 from loraplane_server.draft import DraftModel, DraftRun, check_vocabulary, weight_bytes
 from loraplane_server.errors import (
     EmptyPromptError,
@@ -35,10 +44,12 @@ from loraplane_server.lora.manager import AdapterManager
 from loraplane_server.lora.orchestrator import AdapterOrchestrator
 from loraplane_server.lora.slot_table import SlotTable
 from loraplane_server.lora.slots import LoRASlots
+from loraplane_server.memory_profile import measure_peak_step, profile_blocks, profile_chunks, profile_step
 from loraplane_server.model_runner import ModelRunner, kv_block_bytes
 from loraplane_server.model_store import resolve_model
 from loraplane_server.models.args import ModelArgs
-from loraplane_server.models.loader import load_model, read_config
+from loraplane_server.models.llama import LlamaForCausalLM
+from loraplane_server.models.loader import checkpoint_bytes, load_model, read_config
 from loraplane_server.models.registry import max_context, model_args
 from loraplane_server.request_output import RequestOutput as RequestOutput  # its home before; importers keep it
 from loraplane_server.sampler import make_generator
@@ -52,12 +63,14 @@ log = logging.getLogger("loraplane.engine")
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """auto: bf16 on CUDA, on CPUs with bf16 dot products (AVX-512 BF16, AMX) and where the CPU kernels
-    have their bf16 paths (AVX2: half the bytes of fp32 per weight and KV row); fp32 elsewhere (torch's
-    own bf16 kernels without either are slower than its fp32 ones)."""
+    """auto: bf16 on CUDA (fp16 on a GPU older than Ampere, which has no bf16), on CPUs with bf16 dot products
+    (AVX-512 BF16, AMX) and where the CPU kernels have their bf16 paths (AVX2: half the bytes of fp32 per weight
+    and KV row); fp32 elsewhere (torch's own bf16 kernels without either are slower than its fp32 ones)."""
     if name == "auto":
-        fast_bf16 = cpu_features.has_bf16_compute() or (device.type == "cpu" and cpu_kernels.has_bf16_kernels())
-        return torch.bfloat16 if device.type == "cuda" or fast_bf16 else torch.float32
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else torch.float16
+        fast_bf16 = cpu_features.has_bf16_compute() or cpu_kernels.has_bf16_kernels()
+        return torch.bfloat16 if fast_bf16 else torch.float32
     return getattr(torch, name)
 
 
@@ -67,7 +80,9 @@ class LLMEngine:
         the model, building the CPU kernels (first start on a machine), loading the weights, the rest."""
         phase = on_phase or (lambda _name: None)
         self.config = config
-        self.device = torch.device(config.device)
+        self.device = resolve_device(config.device)  # an explicit CUDA device that cannot serve raises here
+        gpu_free = self._claim_gpu(config)  # (total, free) bytes before this engine takes any; None on the CPU
+        self.device_info = device_info(self.device, cpu_features.describe())
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         self.dtype = resolve_dtype(config.dtype, self.device)
@@ -90,16 +105,39 @@ class LLMEngine:
         if self.device.type == "cpu" and {config.attention_backend, config.layer_backend} & {"auto", "cpu_kernel"}:
             phase("building the CPU kernels")  # a cache hit on every start but a machine's first
             cpu_kernels.load()
+        if gpu_free is not None:
+            int8 = config.quantization == "int8"
+            need = checkpoint_bytes(self.model_dir, self.dtype, int8)
+            need += checkpoint_bytes(draft_dir, self.dtype, int8) if draft_dir is not None else 0
+            check_weights_fit(need, *gpu_free, self.gpu_memory_utilization)
         phase("loading the weights")
         model = load_model(self.model_dir, self.dtype, self.device, self.max_model_len)
         if config.quantization == "int8":
             phase("quantizing the weights to int8")
             model.quantize_int8()
+        draft_weights = None
+        if draft_dir is not None:  # before the KV cache: on CUDA its weights come off the budget first
+            phase("loading the draft model")
+            draft_weights = load_model(draft_dir, self.dtype, self.device, self.draft_max_len)
+            if config.quantization == "int8":
+                draft_weights.quantize_int8()
         phase("allocating the KV cache and adapter slots")
         block_bytes = kv_block_bytes(model.args, config.block_size, self.dtype)
         if draft_args is not None:  # the draft's K/V lives in the same blocks: each block holds both
             block_bytes += kv_block_bytes(draft_args, config.block_size, self.dtype)
-        num_blocks = config.num_kv_blocks or max(2, config.kv_cache_bytes // block_bytes)
+        self.backends = resolve_backends(config, self.device, self.dtype)
+        self.attention_backend = self.backends.attention.name
+        self.layer_backend = self.backends.layer_backend
+        self.lora_backend = self.backends.lora
+        self.lora_slots = LoRASlots(
+            model, config.max_loras, config.max_lora_rank, self.dtype, self.device, self.lora_backend.packed_slots
+        )
+        self.memory_plan: MemoryPlan | None = None
+        if gpu_free is not None and config.num_kv_blocks is None and config.kv_cache_bytes is None:
+            phase("profiling a step for the GPU memory budget")
+            self.memory_plan = self._plan_gpu_memory(model, block_bytes, gpu_free)
+            log.info("%s; %d adapter slots", self.memory_plan.describe(), config.max_loras)
+        num_blocks = self._num_blocks(block_bytes)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.adapters = AdapterManager(
             model.args,
@@ -113,13 +151,6 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, self.slots, self.adapters.is_ready
         )
-        self.backends = resolve_backends(config, self.device, self.dtype)
-        self.attention_backend = self.backends.attention.name
-        self.layer_backend = self.backends.layer_backend
-        self.lora_backend = self.backends.lora
-        self.lora_slots = LoRASlots(
-            model, config.max_loras, config.max_lora_rank, self.dtype, self.device, self.lora_backend.packed_slots
-        )
         self.runner = ModelRunner(
             model,
             num_blocks,
@@ -131,13 +162,9 @@ class LLMEngine:
         )
         self.draft: DraftModel | None = None
         self.draft_policy: DraftPolicy | None = None
-        if draft_dir is not None:
-            phase("loading the draft model")
-            draft = load_model(draft_dir, self.dtype, self.device, self.draft_max_len)
-            if config.quantization == "int8":
-                draft.quantize_int8()
+        if draft_dir is not None and draft_weights is not None:
             self.draft = DraftModel(
-                draft,
+                draft_weights,
                 draft_dir,
                 self.draft_max_len,
                 num_blocks,
@@ -168,13 +195,61 @@ class LLMEngine:
         self.spec_proposed_total = 0  # speculative tokens proposed and accepted, every request together
         self.spec_accepted_total = 0
 
+    @property
+    def gpu_memory_utilization(self) -> float:
+        return self.config.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION
+
+    def _claim_gpu(self, config: EngineConfig) -> tuple[int, int] | None:
+        """On CUDA: make the device current and read (total, free) bytes before the engine takes any. On the
+        CPU: refuse the GPU-only options rather than ignore them."""
+        if self.device.type != "cuda":
+            if config.gpu_memory_utilization is not None:
+                raise DeviceError(
+                    f"--gpu-memory-utilization applies to CUDA devices; this engine runs on the {self.device}"
+                )
+            return None
+        torch.cuda.set_device(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        return total, free
+
+    def _plan_gpu_memory(self, model: LlamaForCausalLM, block_bytes: int, gpu_free: tuple[int, int]) -> MemoryPlan:
+        """Profile the largest step on a KV cache just big enough for it, then give the KV cache what the budget
+        leaves (device.py); a model that does not fit raises GPUMemoryError with the bytes."""
+        config = self.config
+        chunks = profile_chunks(config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len)
+        blocks = profile_blocks(chunks, config.block_size)
+        runner = ModelRunner(model, blocks, config.block_size, self.dtype, self.device, self.backends, self.lora_slots)
+        profile_kv = runner.kv_caches.numel() * runner.kv_caches.element_size()
+        peak, device_used = measure_peak_step(runner, profile_step(chunks, config.block_size))
+        del runner
+        torch.cuda.empty_cache()
+        total, free_at_start = gpu_free
+        # of what the device holds outside torch now, other processes (and our CUDA context) held it at start
+        non_torch = max(0, device_used - (total - free_at_start))
+        return plan_gpu_memory(
+            total,
+            free_at_start,
+            self.gpu_memory_utilization,
+            peak - profile_kv,
+            non_torch,
+            block_bytes,
+            min_blocks=-(-self.max_model_len // config.block_size),
+        )
+
+    def _num_blocks(self, block_bytes: int) -> int:
+        """KV blocks: the GPU plan's, else --num-kv-blocks, else what kv_cache_bytes buys (1 GiB on the CPU)."""
+        if self.memory_plan is not None:
+            return self.memory_plan.num_blocks
+        kv_bytes = self.config.kv_cache_bytes or CPU_KV_CACHE_BYTES
+        return self.config.num_kv_blocks or max(2, kv_bytes // block_bytes)
+
     def describe(self) -> str:
         """One line of what runs where: the CPU (or device), dtype, the kernels' ISA, every backend."""
         if self.device.type == "cpu":
             isa = cpu_kernels.loaded_isa()
             where = f"{cpu_features.describe()}, kernels built for {isa or 'none (torch only)'}"
         else:
-            where = str(self.device)
+            where = f"{self.device_info.describe()}, decode eager (no CUDA graphs yet)"
         dtype = str(self.dtype).removeprefix("torch.")
         if self.runner.model.int8:
             dtype += " (int8 weights)"

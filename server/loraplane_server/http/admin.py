@@ -308,6 +308,10 @@ async def debug_engine(request: Request) -> dict:
     return {
         **snap.to_dict(),
         "paths": engine.describe(),  # the CPU, dtype, kernels' ISA and backends it picked at start
+        "device": engine.device_info.to_dict(),  # the GPU's name, memory, compute capability (or the CPU's name)
+        "dtype": str(engine.dtype).removeprefix("torch."),
+        "backends": engine.backends.to_dict(),
+        "memory_plan": None if engine.memory_plan is None else engine.memory_plan.to_dict(),
         "num_streams": front.num_streams,
         "phase": life.phase.value,
         "num_http_waiting": life.num_waiting,

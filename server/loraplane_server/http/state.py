@@ -13,6 +13,7 @@ from typing import Any
 from fastapi import Request
 
 from loraplane_server.async_engine import AsyncEngine
+from loraplane_server.device import DeviceError
 from loraplane_server.draft import DraftModelError
 from loraplane_server.engine import LLMEngine
 from loraplane_server.errors import AdapterLoadError, EngineShutdownError, RequestFailedError
@@ -147,7 +148,7 @@ class ServerState:
 
         try:
             front = await asyncio.wrap_future(AsyncEngine.build(build))
-        except (ModelSourceError, DraftModelError) as exc:  # a reason that says what to fix: no traceback
+        except (ModelSourceError, DraftModelError, DeviceError) as exc:  # a reason that says what to fix: no traceback
             self._fail(str(exc))
             return
         except Exception as exc:  # noqa: BLE001 - any failure to start is reported and ends the process

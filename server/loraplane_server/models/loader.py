@@ -51,6 +51,32 @@ def _weight_files(model_dir: Path) -> list[Path]:
     return files
 
 
+def checkpoint_bytes(model_dir: Path, dtype: torch.dtype, int8_projections: bool) -> int:
+    """The bytes the checkpoint's weights take once loaded in `dtype` (int8_projections: the decoder's
+    projections as int8), read from the safetensors headers alone: for the GPU budget's check before the load.
+    Tensors stored as integers (a pre-quantized checkpoint) count as stored; a multimodal checkpoint's vision
+    tensors not at all."""
+    is_multimodal = registry.family_of(read_config(model_dir)).language_model is not None
+    total = 0
+    for path in _weight_files(model_dir):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                if is_multimodal and _language_model_name(name) is None:
+                    continue
+                part = f.get_slice(name)
+                numel = 1
+                for n in part.get_shape():
+                    numel *= n
+                stored = part.get_dtype()
+                if stored.startswith(("I", "U")):
+                    total += numel * int(re.sub(r"\D", "", stored) or 8) // 8
+                elif int8_projections and name.endswith("_proj.weight"):
+                    total += numel
+                else:
+                    total += numel * dtype.itemsize
+    return total
+
+
 def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, max_positions: int) -> LlamaForCausalLM:
     cfg = read_config(model_dir)
     args = registry.model_args(cfg)
