@@ -50,7 +50,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--enforce-eager",
         action="store_true",
-        help="CUDA: never run decode as CUDA graphs (they are not built yet: every step runs eagerly either way)",
+        help="CUDA: run decode steps eagerly instead of replaying the CUDA graphs captured at start (one per "
+        "batch-size bucket up to --max-num-seqs); saves their memory and start-up time",
     )
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     p.add_argument(

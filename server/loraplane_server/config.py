@@ -33,7 +33,7 @@ class EngineConfig:
     # CUDA: the fraction of the GPU's memory this engine takes (weights, the profiled peak step, then the KV cache
     # and adapter slots, as vLLM's flag); None: DEFAULT_GPU_MEMORY_UTILIZATION. Refused on the CPU.
     gpu_memory_utilization: float | None = None
-    # CUDA: decode steps run eagerly, never as CUDA graphs (graphs are not built yet: every step is eager)
+    # CUDA: decode steps run eagerly, never as CUDA graphs (cuda_graphs.py; captured at start otherwise)
     enforce_eager: bool = False
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: derived from kv_cache_bytes

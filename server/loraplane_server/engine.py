@@ -20,6 +20,7 @@ from loraplane_server import cpu_features
 from loraplane_server.backends import resolve_backends
 from loraplane_server.block_manager import BlockManager
 from loraplane_server.config import CPU_KV_CACHE_BYTES, EngineConfig
+from loraplane_server.cuda_graphs import DecodeGraphs
 from loraplane_server.device import (
     DEFAULT_GPU_MEMORY_UTILIZATION,
     DeviceError,
@@ -137,7 +138,8 @@ class LLMEngine:
             phase("profiling a step for the GPU memory budget")
             self.memory_plan = self._plan_gpu_memory(model, block_bytes, gpu_free)
             log.info("%s; %d adapter slots", self.memory_plan.describe(), config.max_loras)
-        num_blocks = self._num_blocks(block_bytes)
+        graphs = self._graphs_mode()
+        num_blocks = self._num_blocks(block_bytes) - (graphs is not None)  # the plan's last block: graphs' scratch
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.adapters = AdapterManager(
             model.args,
@@ -159,7 +161,13 @@ class LLMEngine:
             self.device,
             self.backends,
             self.lora_slots,
+            scratch_block=graphs is not None,
         )
+        if graphs is not None:
+            phase("capturing CUDA graphs" if graphs == "capture" else "decode graph buffers")
+            self.runner.graphs = DecodeGraphs(self.runner, config.max_num_seqs, self.max_model_len, num_blocks)
+            if graphs == "capture":
+                self.runner.graphs.capture()
         self.draft: DraftModel | None = None
         self.draft_policy: DraftPolicy | None = None
         if draft_dir is not None and draft_weights is not None:
@@ -233,8 +241,28 @@ class LLMEngine:
             peak - profile_kv,
             non_torch,
             block_bytes,
-            min_blocks=-(-self.max_model_len // config.block_size),
+            min_blocks=-(-self.max_model_len // config.block_size) + 1,  # + decode graphs' scratch block
         )
+
+    def _graphs_mode(self) -> str | None:
+        """capture: decode steps as CUDA graphs (on CUDA, the Triton attention and LoRA backends, unless
+        --enforce-eager); None: every step eager. (The tests set "eager": the graphs' static buffers without a
+        capture, on the CPU.)"""
+        eligible = (
+            self.attention_backend == "triton"
+            and self.lora_backend.name == "triton"
+            and not self.backends.layer_kernels
+        )
+        return "capture" if self.device.type == "cuda" and not self.config.enforce_eager and eligible else None
+
+    def _decode_mode(self) -> str:
+        """How decode steps run, for describe()."""
+        if self.runner.graphs is not None:
+            return self.runner.graphs.describe()
+        if self.config.enforce_eager:
+            return "decode eager (--enforce-eager)"
+        backends = f"{self.attention_backend} attention, {self.lora_backend.name} LoRA"
+        return f"decode eager (CUDA graphs need the triton attention and LoRA backends, not {backends})"
 
     def _num_blocks(self, block_bytes: int) -> int:
         """KV blocks: the GPU plan's, else --num-kv-blocks, else what kv_cache_bytes buys (1 GiB on the CPU)."""
@@ -249,7 +277,7 @@ class LLMEngine:
             isa = cpu_kernels.loaded_isa()
             where = f"{cpu_features.describe()}, kernels built for {isa or 'none (torch only)'}"
         else:
-            where = f"{self.device_info.describe()}, decode eager (no CUDA graphs yet)"
+            where = f"{self.device_info.describe()}, {self._decode_mode()}"
         dtype = str(self.dtype).removeprefix("torch.")
         if self.runner.model.int8:
             dtype += " (int8 weights)"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from loraplane_server.backends import Backends
@@ -13,6 +15,9 @@ from loraplane_server.models.llama import LlamaForCausalLM
 from loraplane_server.sampler import Sampler
 from loraplane_server.sequence import Sequence
 from loraplane_server.verifier import verify
+
+if TYPE_CHECKING:
+    from loraplane_server.cuda_graphs import DecodeGraphs
 
 
 def kv_block_bytes(args: ModelArgs, block_size: int, dtype: torch.dtype) -> int:
@@ -30,14 +35,25 @@ class ModelRunner:
         device: torch.device,
         backends: Backends,
         lora_slots: LoRASlots | None = None,
+        scratch_block: bool = False,
     ) -> None:
+        """scratch_block: one more KV block than the block manager hands out, at index num_blocks, for the
+        padding rows of decode graphs (cuda_graphs.py) to write into."""
         a = model.args
         self.model = model
         self.block_size = block_size
         self.device = device
         self.kv_caches = torch.zeros(
-            a.num_layers, 2, num_blocks, block_size, a.num_kv_heads, a.head_dim, dtype=dtype, device=device
+            a.num_layers,
+            2,
+            num_blocks + scratch_block,
+            block_size,
+            a.num_kv_heads,
+            a.head_dim,
+            dtype=dtype,
+            device=device,
         )  # [L, 2, N, B, KVH, D]
+        self.graphs: DecodeGraphs | None = None  # plain decode steps through static buffers (and CUDA graphs)
         self.sampler = Sampler(kernels=backends.layer_kernels)
         self.lora_slots = lora_slots
         self.use_backends(backends)
@@ -143,8 +159,12 @@ class ModelRunner:
     def run(self, scheduled: list[tuple[Sequence, int]]) -> tuple[list[Sequence], list[list[int]], list[list[float]]]:
         """One forward pass; returns the sequences that sampled, their tokens and logprobs: one each, or for a
         speculative sequence its accepted proposals and the model's own next token (verifier.py)."""
-        input_ids, batch, samplers = self.prepare(scheduled)
-        logits = self.model(input_ids, self.kv_caches, batch)  # [R, V]
+        if self.graphs is not None and self.graphs.applies(scheduled):
+            samplers = [s for s, _ in scheduled]
+            logits = self.graphs.forward(samplers)  # [S, V]
+        else:
+            input_ids, batch, samplers = self.prepare(scheduled)
+            logits = self.model(input_ids, self.kv_caches, batch)  # [R, V]
         logits, samplers = self._drop_nonfinite(logits, samplers)
         if not samplers:
             return [], [], []

@@ -1,0 +1,120 @@
+"""Decode graphs (cuda_graphs.py): bucket choice and padding as pure functions; the static-buffer step against
+the plain engine, on the CPU without a capture (Triton interpreted) and, marked `gpu`, captured on CUDA."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from engine_helpers import make_engine, run_all
+
+from lora_helpers import ADAPTER_SPECS, make_peft_adapter
+from loraplane_server.cuda_graphs import MAX_GRAPH_BATCH, graph_batch_sizes, graph_bucket, is_plain_decode
+from loraplane_server.engine import LLMEngine
+from loraplane_server.lora.triton_kernels import triton_available
+from loraplane_server.sampling_params import SamplingParams
+from loraplane_server.sequence import Sequence
+from loraplane_server.speculative import SpecState
+
+TRITON_ON_CPU = {"device": "cpu", "attention_backend": "triton", "lora_backend": "triton", "layer_backend": "torch"}
+
+
+@pytest.mark.parametrize(
+    ("max_num_seqs", "expected"),
+    [
+        (1, [1]),
+        (3, [1, 2, 3]),
+        (8, [1, 2, 4, 8]),
+        (20, [1, 2, 4, 8, 16, 24]),
+        (64, [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]),
+    ],
+)
+def test_graph_batch_sizes(max_num_seqs: int, expected: list[int]) -> None:
+    assert graph_batch_sizes(max_num_seqs) == expected
+
+
+@pytest.mark.parametrize("max_num_seqs", [1, 5, 8, 9, 63, 64, 256, 1000])
+def test_every_batch_has_a_bucket_that_pads_little(max_num_seqs: int) -> None:
+    sizes = graph_batch_sizes(max_num_seqs)
+    assert sizes == sorted(set(sizes)) and sizes[-1] <= MAX_GRAPH_BATCH
+    for n in range(1, min(max_num_seqs, MAX_GRAPH_BATCH) + 1):
+        bucket = graph_bucket(n, sizes)
+        assert bucket is not None and bucket >= n
+        assert bucket - n < (8 if n > 8 else n)  # at most 7 padding rows, or doubling below 8
+    assert graph_bucket(sizes[-1] + 1, sizes) is None  # past the largest bucket: eager
+
+
+def test_only_plain_decode_steps_replay() -> None:
+    def seq(n_tokens: int, computed: int, proposed: list[int] | None = None) -> Sequence:
+        s = Sequence("r", list(range(n_tokens)), SamplingParams())
+        s.num_computed_tokens = computed
+        if proposed:
+            s.spec = SpecState(max_k=4, proposed=proposed)
+        return s
+
+    assert is_plain_decode([(seq(5, 4), 1), (seq(9, 8), 1)])
+    assert not is_plain_decode([(seq(5, 4), 1), (seq(9, 0), 9)])  # a prefill in the step
+    assert not is_plain_decode([(seq(9, 4), 1)])  # a chunk of a longer prompt
+    assert not is_plain_decode([(seq(5, 4, [7, 8]), 3)])  # speculative proposals
+
+
+def _work(adapters: dict[str, Path]) -> list[tuple[str | None, list[int], int]]:
+    names = [*adapters, None, *adapters, None, None]
+    return [(name, [3 + i, 9, 27, (11 * i) % 50, 5][: 2 + i % 4], 3 + i % 6) for i, name in enumerate(names)]
+
+
+def _run(engine: LLMEngine, adapters: dict[str, Path], work: list) -> list[list[int]]:
+    for name, path in adapters.items():
+        engine.adapters.register(name, str(path))
+        engine.prewarm(name, "host")
+    ids = []
+    for i, (name, prompt, n) in enumerate(work):  # joins over several steps: buckets change as rows come and go
+        ids.append(engine.add_request(prompt, SamplingParams(max_new_tokens=n), adapter_id=name))
+        if i % 3 == 2:
+            engine.step()
+    done = run_all(engine, check_errors=True)
+    return [done[i].token_ids for i in ids]
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("graph-adapters")
+    return {
+        name: make_peft_adapter(tiny_llama_dir, root / name, seed=i, **spec)
+        for i, (name, spec) in enumerate(ADAPTER_SPECS.items())
+    }
+
+
+@pytest.mark.skipif(not triton_available(), reason="triton is not importable")
+def test_static_decode_step_equals_the_plain_step(
+    tiny_llama_dir: Path, adapters: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Padding rows, the scratch block, every row's adapter slot (-1 for base rows) and the ranks refreshed as
+    two device slots take turns among four adapters of ranks 2-16: the same tokens as the plain engine."""
+    fields = {"block_size": 4, "num_kv_blocks": 128, "max_loras": 2, "max_lora_rank": 16, "max_num_seqs": 12}
+    work = _work(adapters)
+    plain = make_engine(tiny_llama_dir, disk_cache_dir=str(tmp_path / "a"), **TRITON_ON_CPU, **fields)
+    assert plain.runner.graphs is None
+    expected = _run(plain, adapters, work)
+    monkeypatch.setattr(LLMEngine, "_graphs_mode", lambda self: "eager")
+    engine = make_engine(tiny_llama_dir, disk_cache_dir=str(tmp_path / "b"), **TRITON_ON_CPU, **fields)
+    graphs = engine.runner.graphs
+    assert graphs is not None and graphs.sizes == [1, 2, 4, 8, 16]
+    assert engine.block_manager.num_blocks == 127 and engine.runner.kv_caches.shape[2] == 128  # + the scratch
+    assert _run(engine, adapters, work) == expected
+    assert graphs.num_replays >= 8 and graphs.num_lora_replays >= 4
+    assert engine.adapters.stats.evictions["device"] > 0  # slots changed hands between replays
+
+
+@pytest.mark.gpu
+def test_captured_graphs_equal_eager_on_cuda(tiny_llama_dir: Path, adapters: dict[str, Path], tmp_path: Path) -> None:
+    fields = {"block_size": 4, "num_kv_blocks": 128, "max_loras": 2, "max_lora_rank": 16, "max_num_seqs": 12}
+    work = _work(adapters)
+    eager = make_engine(tiny_llama_dir, device="cuda", enforce_eager=True, disk_cache_dir=str(tmp_path / "a"), **fields)
+    assert eager.runner.graphs is None and "--enforce-eager" in eager.describe()
+    engine = make_engine(tiny_llama_dir, device="cuda", disk_cache_dir=str(tmp_path / "b"), **fields)
+    graphs = engine.runner.graphs
+    assert graphs is not None and len(graphs.graphs) == 2 * len(graphs.sizes)
+    assert "CUDA graphs" in engine.describe()
+    assert _run(engine, adapters, work) == _run(eager, adapters, work)
+    assert graphs.num_replays >= 8 and graphs.num_lora_replays >= 4
