@@ -5,39 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from attention_cases import make_chunk
+from attention_cases import prefill_reference as reference
 from loraplane_server.layers import cpu_kernels
 
 pytestmark = pytest.mark.requires_cpu_kernels  # the kernel itself: requires_bf16_kernels
-
-
-def make_chunk(
-    n: int, ctx: int, heads: int, kv_heads: int, head_dim: int, block_size: int, seed: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A sequence of ctx + n tokens in scattered cache blocks; q for its last n positions."""
-    g = torch.Generator().manual_seed(seed)
-    total = ctx + n
-    num_blocks = -(-total // block_size)
-    pool = num_blocks + 7
-    k_cache = torch.randn(pool, block_size, kv_heads, head_dim, generator=g).to(torch.bfloat16)
-    v_cache = torch.randn(pool, block_size, kv_heads, head_dim, generator=g).to(torch.bfloat16)
-    table = torch.randperm(pool, generator=g)[:num_blocks].contiguous()
-    q = (torch.randn(n, heads, head_dim, generator=g) * 2).to(torch.bfloat16)
-    return q, k_cache, v_cache, table
-
-
-def reference(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor, ctx: int, scale: float
-) -> torch.Tensor:
-    """Query i (position ctx + i) attends to keys 0..ctx + i, in fp32."""
-    n, heads, _ = q.shape
-    keys = k_cache[table].flatten(0, 1)[: ctx + n].float()  # [L, KVH, D]
-    values = v_cache[table].flatten(0, 1)[: ctx + n].float()
-    group = heads // keys.shape[1]
-    keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
-    scores = torch.einsum("nhd,lhd->hnl", q.float(), keys) * scale
-    visible = torch.arange(ctx + n)[None, :] <= (ctx + torch.arange(n))[:, None]  # [n, L]
-    scores = scores.masked_fill(~visible, float("-inf"))
-    return torch.einsum("hnl,lhd->nhd", scores.softmax(-1), values)
 
 
 @pytest.mark.requires_bf16_kernels

@@ -1,5 +1,7 @@
 """The Triton attention backend (CUDA, or TRITON_INTERPRET=1): decode rows through the paged decode kernel
-of layers/triton_attention.py, which reads the KV blocks in place; prefill chunks through torch's SDPA."""
+of layers/triton_attention.py, which reads the KV blocks in place; a prefill chunk over a cached context
+through its paged prefill kernel (the context read in place, never gathered); a chunk with no context (a
+fresh prompt) through torch's SDPA on its own keys and values (flash attention on CUDA)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from loraplane_server.attention.torch_ref import TorchAttention
 from loraplane_server.layers import triton_attention
 
 if TYPE_CHECKING:
-    from loraplane_server.forward_batch import ForwardBatch
+    from loraplane_server.forward_batch import ForwardBatch, PrefillChunk
 
 
 class TritonAttention(TorchAttention):
@@ -32,3 +34,23 @@ class TritonAttention(TorchAttention):
         assert batch.decode_block_tables is not None and batch.decode_context_lens is not None
         tables, lens = batch.decode_block_tables, batch.decode_context_lens
         out.copy_(triton_attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale))
+
+    def prefill(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        chunk: PrefillChunk,
+        scale: float,
+        out: torch.Tensor,
+    ) -> None:
+        if chunk.num_context_tokens == 0:
+            super().prefill(q, k, v, k_cache, v_cache, chunk, scale, out)
+            return
+        ctx = chunk.num_context_tokens
+        if out.stride(2) == 1 and out.stride(1) == out.shape[2]:
+            triton_attention.paged_prefill_attention(q, k_cache, v_cache, chunk.block_table, ctx, scale, out)
+        else:
+            out.copy_(triton_attention.paged_prefill_attention(q, k_cache, v_cache, chunk.block_table, ctx, scale))
