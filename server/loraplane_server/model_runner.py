@@ -165,15 +165,37 @@ class ModelRunner:
         else:
             input_ids, batch, samplers = self.prepare(scheduled)
             logits = self.model(input_ids, self.kv_caches, batch)  # [R, V]
-        logits, samplers = self._drop_nonfinite(logits, samplers)
         if not samplers:
             return [], [], []
-        if len(logits) > len(samplers):
-            return samplers, *verify(self.sampler, logits, samplers)
+        if len(logits) > len(samplers):  # speculative rows: the verifier reads every row of a sequence
+            logits, samplers = self._drop_nonfinite(logits, samplers)
+            return (samplers, *verify(self.sampler, logits, samplers)) if samplers else ([], [], [])
+        return self._sample(logits, samplers)
+
+    def _sample(
+        self, logits: torch.Tensor, samplers: list[Sequence]
+    ) -> tuple[list[Sequence], list[list[int]], list[list[float]]]:
+        """One token per row, with one device-to-host copy a step: the ids, their logprobs and whether each row's
+        logits were finite come back together (rows sample independently, so a NaN row harms no other; it is
+        set aside afterwards, as _drop_nonfinite does)."""
+        # a row's sum is non-finite whenever one of its logits is (NaN, inf, or inf - inf): one reduction,
+        # ~0.2 ms for 64 x 49,152 where isfinite().all() over every logit took ~4 ms a step
+        finite = torch.isfinite(logits.sum(dim=-1))
         gens = [s.generator for s in samplers]
         seen = [s.token_ids if s.params.repetition_penalty != 1.0 else [] for s in samplers]
         tokens, logprobs = self.sampler(logits, [s.params for s in samplers], gens, seen)
-        return samplers, [[t] for t in tokens.tolist()], [[lp] for lp in logprobs.tolist()]
+        ids, lps, ok = torch.stack((tokens.double(), logprobs.double(), finite.double())).tolist()
+        if not all(ok):  # some row is suspect: the exact rows (rare), and theirs set aside
+            suspect = [i for i, v in enumerate(ok) if not v]
+            rows = torch.tensor(suspect, dtype=torch.int64, device=logits.device)
+            exact = torch.isfinite(logits.index_select(0, rows)).all(dim=-1).tolist()
+            for i, row_ok in zip(suspect, exact, strict=True):
+                ok[i] = float(row_ok)
+                if not row_ok:
+                    self.kv_caches[:, :, samplers[i].block_table] = 0
+                    self.nonfinite.append(samplers[i])
+        keep = [i for i, v in enumerate(ok) if v]
+        return [samplers[i] for i in keep], [[int(ids[i])] for i in keep], [[lps[i]] for i in keep]
 
     def _drop_nonfinite(self, logits: torch.Tensor, samplers: list[Sequence]) -> tuple[torch.Tensor, list[Sequence]]:
         """Set aside the sequences whose logits rows hold NaN or inf (validation keeps them out, this is the
