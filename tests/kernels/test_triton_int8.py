@@ -15,7 +15,10 @@ from loraplane_server.layers import triton_int8
 from loraplane_server.layers.triton_int8 import int8_linear, int8_linear_silu_mul, triton_available
 from loraplane_server.lora.triton_kernels import _is_interpreting
 
-pytestmark = pytest.mark.skipif(not triton_available(), reason="needs triton with CUDA or TRITON_INTERPRET=1")
+pytestmark = [
+    pytest.mark.skipif(not triton_available(), reason="needs triton with CUDA or TRITON_INTERPRET=1"),
+    pytest.mark.triton,
+]
 
 IS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if IS_CUDA else "cpu"

@@ -9,7 +9,10 @@ import torch
 
 from loraplane_server.lora.triton_kernels import sgmv_expand, sgmv_shrink, triton_available
 
-pytestmark = pytest.mark.skipif(not triton_available(), reason="needs triton with CUDA or TRITON_INTERPRET=1")
+pytestmark = [
+    pytest.mark.skipif(not triton_available(), reason="needs triton with CUDA or TRITON_INTERPRET=1"),
+    pytest.mark.triton,
+]
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FP32_TOL = dict(atol=1e-4, rtol=1e-4)
