@@ -66,7 +66,11 @@ from types import FrameType
 from typing import Any
 
 import torch
-from gpu_models import (
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "server"))  # standalone: no install, no PYTHONPATH needed
+
+from gpu_models import (  # noqa: E402
     EVERY_LINEAR,
     REAL_SHAPES,
     AdapterSpec,
@@ -83,9 +87,6 @@ from gpu_models import (
     write_adapters,
     write_model,
 )
-
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "server"))  # standalone: no install, no PYTHONPATH needed
 
 from loraplane_server.config import EngineConfig  # noqa: E402
 from loraplane_server.device import DeviceError, device_info, resolve_device  # noqa: E402

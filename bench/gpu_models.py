@@ -24,6 +24,9 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from loraplane_server.lora.weights import module_shapes
+from loraplane_server.models.registry import model_args
+
 INIT_STD = 0.02  # transformers' initializer_range for all three models
 SHARD_BYTES = 2 << 30
 # config.json's max_position_embeddings is capped here (rope tables stay small); above llama3 rope's
@@ -102,17 +105,10 @@ class Shape:
         return cfg
 
     def linear_dims(self) -> dict[str, tuple[int, int]]:
-        """Each decoder projection's (in, out) features."""
-        h, i = self.hidden_size, self.intermediate_size
-        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        """Each decoder projection's (in, out) features, as the engine's adapter validation reads them."""
+        shapes = module_shapes(model_args(self.config()))
         return {
-            "q_proj": (h, q),
-            "k_proj": (h, kv),
-            "v_proj": (h, kv),
-            "o_proj": (q, h),
-            "gate_proj": (h, i),
-            "up_proj": (h, i),
-            "down_proj": (i, h),
+            name: shapes[name] for name in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
         }
 
     def num_params(self) -> int:
