@@ -95,6 +95,7 @@ class DecodeGraphs:
             k: torch.empty_like(v, device="cpu").pin_memory() if pin else v.cpu().clone()
             for k, v in self.buffers.items()
         }
+        self.views = {k: t.numpy() for k, t in self.staging.items()}  # the same memory, for _fill
         self.ranks: dict[str, torch.Tensor] = {}
         self._ranks_key: tuple = ()
         slots = runner.lora_slots
@@ -183,23 +184,20 @@ class DecodeGraphs:
         return self.outputs[(rows, lora)][:n]
 
     def _fill(self, seqs: list[Sequence]) -> bool:
-        """The rows' inputs into the host staging buffers; whether some row has an adapter."""
-        s = self.staging
-        bs = self.runner.block_size
-        slots = self.runner.lora_slots
-        lora = False
+        """The rows' inputs into the host staging buffers, a list per buffer through their numpy views (no torch
+        call per row); whether some row has an adapter."""
+        v, bs, n = self.views, self.runner.block_size, len(seqs)
+        last = [len(seq) - 1 for seq in seqs]
+        v["ids"][:n] = [seq.token_ids[-1] for seq in seqs]
+        v["positions"][:n] = last
+        v["slots"][:n] = [seq.block_table[p // bs] * bs + p % bs for seq, p in zip(seqs, last, strict=True)]
+        v["lens"][:n] = [p + 1 for p in last]
         for i, seq in enumerate(seqs):
-            pos = len(seq) - 1
-            s["ids"][i] = seq.token_ids[-1]
-            s["positions"][i] = pos
-            s["slots"][i] = seq.block_table[pos // bs] * bs + pos % bs
-            s["lens"][i] = len(seq)
-            table = seq.block_table
-            s["tables"][i, : len(table)] = torch.as_tensor(table, dtype=torch.int64)
-            has = seq.lora_slot is not None and slots is not None
-            s["lora"][i] = seq.lora_slot if seq.lora_slot is not None and has else -1
-            lora = lora or has
-        return lora
+            v["tables"][i, : len(seq.block_table)] = seq.block_table
+        with_slots = self.runner.lora_slots is not None
+        slots = [seq.lora_slot if with_slots and seq.lora_slot is not None else -1 for seq in seqs]
+        v["lora"][:n] = slots
+        return any(slot >= 0 for slot in slots)
 
     def _pad_from(self, first: int, rows: int | None = None) -> None:
         """Rows first..rows (all rows by default) as padding: the scratch slot, one token of context."""
