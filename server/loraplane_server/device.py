@@ -20,6 +20,11 @@ DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 GIB = 1 << 30
 
 
+def gib(num_bytes: int) -> str:
+    """Bytes as the messages and the log show them: 12.34 GiB."""
+    return f"{num_bytes / GIB:.2f} GiB"
+
+
 class DeviceError(RuntimeError):
     """The requested device cannot serve: no CUDA build of torch, no GPU visible, a driver that does not
     answer, an index past the last GPU. The message says which and what to do."""
@@ -134,11 +139,10 @@ class MemoryPlan:
         return {**asdict(self), "kv_cache_bytes": self.kv_cache_bytes}
 
     def describe(self) -> str:
-        g = lambda n: f"{n / GIB:.2f} GiB"  # noqa: E731
         return (
-            f"GPU memory: budget {g(self.budget_bytes)} of {g(self.total_bytes)}; weights, adapter slots and the "
-            f"peak step {g(self.peak_step_bytes)}, outside torch {g(self.non_torch_bytes)}; KV cache "
-            f"{g(self.kv_cache_bytes)} = {self.num_blocks} blocks of {self.block_bytes} bytes"
+            f"GPU memory: budget {gib(self.budget_bytes)} of {gib(self.total_bytes)}; weights, adapter slots and the "
+            f"peak step {gib(self.peak_step_bytes)}, outside torch {gib(self.non_torch_bytes)}; KV cache "
+            f"{gib(self.kv_cache_bytes)} = {self.num_blocks} blocks of {self.block_bytes} bytes"
         )
 
 
@@ -157,20 +161,19 @@ def plan_gpu_memory(
     if not 0 < utilization <= 1:
         raise ValueError(f"gpu_memory_utilization={utilization}: expected a fraction in (0, 1]")
     budget = int(total_bytes * utilization)
-    g = lambda n: f"{n / GIB:.2f} GiB"  # noqa: E731
     if budget > free_at_start:
         raise GPUMemoryError(
-            f"--gpu-memory-utilization {utilization} asks for {g(budget)} of this GPU's {g(total_bytes)}, but only "
-            f"{g(free_at_start)} were free at start (other processes hold the rest); lower it or free the GPU"
+            f"--gpu-memory-utilization {utilization} asks for {gib(budget)} of this GPU's {gib(total_bytes)}, but only "
+            f"{gib(free_at_start)} were free at start (other processes hold the rest); lower it or free the GPU"
         )
     kv_bytes = budget - peak_step_bytes - non_torch_bytes
     num_blocks = max(kv_bytes, 0) // block_bytes
     if num_blocks < min_blocks:
         need = peak_step_bytes + non_torch_bytes + min_blocks * block_bytes
         raise GPUMemoryError(
-            f"the model does not fit: weights, adapter slots and the peak step take {g(peak_step_bytes)} "
-            f"(+{g(non_torch_bytes)} outside torch), and one sequence of the full context needs {min_blocks} KV "
-            f"blocks ({g(min_blocks * block_bytes)}): {g(need)} needed, {g(budget)} available under "
+            f"the model does not fit: weights, adapter slots and the peak step take {gib(peak_step_bytes)} "
+            f"(+{gib(non_torch_bytes)} outside torch), and one sequence of the full context needs {min_blocks} KV "
+            f"blocks ({gib(min_blocks * block_bytes)}): {gib(need)} needed, {gib(budget)} available under "
             f"--gpu-memory-utilization {utilization}; raise it, lower --max-model-len or --max-num-batched-tokens, "
             "or use --quantization int8"
         )
@@ -183,7 +186,7 @@ def check_weights_fit(weight_bytes: int, total_bytes: int, free_at_start: int, u
     budget = min(int(total_bytes * utilization), free_at_start)
     if weight_bytes > budget:
         raise GPUMemoryError(
-            f"the model does not fit: its weights need {weight_bytes / GIB:.2f} GiB, {budget / GIB:.2f} GiB are "
-            f"available (--gpu-memory-utilization {utilization} of {total_bytes / GIB:.2f} GiB, "
-            f"{free_at_start / GIB:.2f} GiB free); use a GPU with more memory or --quantization int8"
+            f"the model does not fit: its weights need {gib(weight_bytes)}, {gib(budget)} are "
+            f"available (--gpu-memory-utilization {utilization} of {gib(total_bytes)}, "
+            f"{gib(free_at_start)} free); use a GPU with more memory or --quantization int8"
         )
