@@ -95,6 +95,17 @@ def tiny_adapters(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
 
 
 @pytest.fixture(scope="session")
+def spec_adapters(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Every ADAPTER_SPECS adapter on tiny_llama_dir (ranks 2-16, different targets, one rsLoRA), seeded by order."""
+    from lora_helpers import ADAPTER_SPECS, make_peft_adapter
+
+    tmp = tmp_path_factory.mktemp("spec-set")
+    return {
+        n: make_peft_adapter(tiny_llama_dir, tmp / n, seed=i, **s) for i, (n, s) in enumerate(ADAPTER_SPECS.items())
+    }
+
+
+@pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     return resolve_model("smollm2-135m")
 

@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 from engine_helpers import make_engine, run_all
 
-from lora_helpers import ADAPTER_SPECS, make_peft_adapter
 from loraplane_server.cuda_graphs import MAX_GRAPH_BATCH, graph_batch_sizes, graph_bucket, is_plain_decode
 from loraplane_server.engine import LLMEngine
 from loraplane_server.lora.triton_kernels import triton_available
@@ -78,12 +77,8 @@ def _run(engine: LLMEngine, adapters: dict[str, Path], work: list) -> list[list[
 
 
 @pytest.fixture(scope="module")
-def adapters(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("graph-adapters")
-    return {
-        name: make_peft_adapter(tiny_llama_dir, root / name, seed=i, **spec)
-        for i, (name, spec) in enumerate(ADAPTER_SPECS.items())
-    }
+def adapters(spec_adapters: dict[str, Path]) -> dict[str, Path]:
+    return spec_adapters
 
 
 @pytest.mark.skipif(not triton_available(), reason="triton is not importable")

@@ -11,7 +11,7 @@ import pytest
 import torch
 from engine_helpers import make_engine, run_all
 
-from lora_helpers import ADAPTER_SPECS, make_peft_adapter, peft_greedy
+from lora_helpers import peft_greedy
 from loraplane_server.engine import LLMEngine
 from loraplane_server.lora.triton_kernels import triton_available
 from loraplane_server.sampling_params import SamplingParams
@@ -29,12 +29,8 @@ DEVICES = [
 
 
 @pytest.fixture(scope="module")
-def adapters(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("gpu-adapters")
-    return {
-        name: make_peft_adapter(tiny_llama_dir, root / name, seed=i, **spec)
-        for i, (name, spec) in enumerate(ADAPTER_SPECS.items())
-    }
+def adapters(spec_adapters: dict[str, Path]) -> dict[str, Path]:
+    return spec_adapters
 
 
 def _engine(model_dir: Path, tmp_path: Path, where: dict[str, str], **overrides: object) -> LLMEngine:
