@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 model: setup
-	$(BIN)/python -c "from loraplane_server.builtin import resolve_model; print(resolve_model('smollm2-135m'))"
+	$(BIN)/python -c "from loraplane_server.store.builtin import resolve_model; print(resolve_model('smollm2-135m'))"
 
 run: model
 	$(BIN)/loraplane serve --adapter-dir server/examples/adapters $(ARGS)
@@ -43,7 +43,7 @@ test: model lint
 	LORAPLANE_E2E_BUILD=1 $(BIN)/pytest -q tests e2e $(PYTEST_ARGS)
 	@if grep -qw avx512_bf16 /proc/cpuinfo; then $(MAKE) --no-print-directory test-avx2; fi
 
-# What an AVX2-only CPU runs, on any x86 machine (server/loraplane_server/cpu_features.py): the
+# What an AVX2-only CPU runs, on any x86 machine (server/loraplane_server/platforms/cpu_features.py): the
 # kernels' avx2 target (x86-64-v3) loaded, the AVX-512 flags hidden from the engine, torch's own kernels
 # capped. The engine's, kernels' and adapters' tests; the HTTP, source, operator and chart tests exercise
 # no ISA-specific code beyond what these do, so the first pass covers them; so do the slow tests marked

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from loraplane_server.config import EngineConfig
-from loraplane_server.engine import LLMEngine
+from loraplane_server.engine.llm_engine import LLMEngine
 from loraplane_server.sampling_params import SamplingParams
 from loraplane_server.sequence import Sequence
 

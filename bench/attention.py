@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from common import machine as common_machine  # bench/ is on sys.path when run as a script
 
-from loraplane_server.layers import cpu_kernels
+from loraplane_server.kernels import cpu_kernels
 
 LAYERS, BLOCK, KV_HEADS, HEADS, HEAD_DIM = 30, 16, 3, 9, 64  # SmolLM2-135M, the engine's block size
 NUM_BLOCKS = 2900  # a 1 GiB cache of these blocks (kv_cache_bytes' default)

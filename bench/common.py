@@ -20,8 +20,8 @@ from typing import Any
 import httpx
 import torch
 
-from loraplane_server import cpu_features
-from loraplane_server.engine import LLMEngine
+from loraplane_server.engine.llm_engine import LLMEngine
+from loraplane_server.platforms import cpu_features
 from loraplane_server.sampling_params import SamplingParams
 
 
@@ -29,7 +29,7 @@ def machine(dtype: torch.dtype | None = None, **extra: object) -> dict:
     """The CPU model and flags (every bench records them), the library versions and the threads."""
     import transformers
 
-    from loraplane_server.layers import cpu_kernels
+    from loraplane_server.kernels import cpu_kernels
 
     info: dict[str, object] = {
         "torch": torch.__version__,

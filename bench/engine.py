@@ -30,9 +30,9 @@ import torch
 from common import greedy, hf_static_batch, machine, pyplot, token_pool, write_result  # bench/ is on sys.path
 from transformers import AutoModelForCausalLM
 
-from loraplane_server.attention import TorchAttention
 from loraplane_server.config import EngineConfig
-from loraplane_server.engine import LLMEngine
+from loraplane_server.engine.llm_engine import LLMEngine
+from loraplane_server.executor.attention import TorchAttention
 
 TARGET_THROUGHPUT_RATIO = 3.0  # ours / hf, useful tokens per second
 TARGET_TTFT_RATIO = 0.25  # cached / uncached

@@ -89,8 +89,8 @@ from gpu_models import (  # noqa: E402
 )
 
 from loraplane_server.config import EngineConfig  # noqa: E402
-from loraplane_server.device import DeviceError, device_info, resolve_device  # noqa: E402
-from loraplane_server.engine import LLMEngine, RequestOutput  # noqa: E402
+from loraplane_server.engine.llm_engine import LLMEngine, RequestOutput  # noqa: E402
+from loraplane_server.platforms.device import DeviceError, device_info, resolve_device  # noqa: E402
 from loraplane_server.sampling_params import SamplingParams  # noqa: E402
 
 TOKENIZER_DIR = REPO / "bench" / "data" / "tokenizer"
@@ -820,7 +820,7 @@ def peft_workload(run: Run, name: str, batch: list[list[int]], adapters: Sequenc
 
 # the record
 def machine(device: torch.device) -> dict:
-    from loraplane_server import cpu_features
+    from loraplane_server.platforms import cpu_features
 
     versions: dict[str, str | None] = {}
     for name in PACKAGES:
@@ -1056,7 +1056,7 @@ def run_sections(run: Run, names: list[str]) -> dict:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.prepare:
-        from loraplane_server.builtin import resolve_model
+        from loraplane_server.store.builtin import resolve_model
 
         print(json.dumps(prepare_tokenizer(resolve_model("smollm2-135m"), Path(args.tokenizer_dir)), indent=1))
         return 0

@@ -76,7 +76,7 @@ def median_us(fn: Callable[[], object], flush: torch.Tensor, repeats: int) -> fl
 
 
 def time_layer(num_n: int, num_k: int, flush: torch.Tensor, repeats: int) -> list[dict[str, object]]:
-    from loraplane_server.layers.triton_int8 import int8_linear
+    from loraplane_server.kernels.triton_int8 import int8_linear
 
     gen = torch.Generator(device="cuda").manual_seed(num_n + num_k)
     weight = (torch.randn(num_n, num_k, device="cuda", generator=gen) / num_k**0.5).to(torch.bfloat16)

@@ -24,8 +24,8 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from loraplane_server.lora.weights import module_shapes
-from loraplane_server.models.registry import model_args
+from loraplane_server.adapters.weights import module_shapes
+from loraplane_server.executor.models.registry import model_args
 
 INIT_STD = 0.02  # transformers' initializer_range for all three models
 SHARD_BYTES = 2 << 30

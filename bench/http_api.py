@@ -38,10 +38,10 @@ import torch
 from common import free_port, machine, percentile, pyplot, wait_ready  # bench/ is on sys.path when run as a script
 from safetensors.torch import load_file, save_file
 
-from loraplane_server.builtin import resolve_model
 from loraplane_server.config import EngineConfig
-from loraplane_server.engine import LLMEngine
+from loraplane_server.engine.llm_engine import LLMEngine
 from loraplane_server.sampling_params import SamplingParams
+from loraplane_server.store.builtin import resolve_model
 
 TARGET_RATIO = 0.85  # HTTP / in-process, useful tokens per second
 TOKEN = "bench-admin-token"
@@ -164,7 +164,7 @@ def run_in_process(engine: LLMEngine, reqs: list[Request]) -> tuple[float, list[
 # HTTP
 def start_server(args: argparse.Namespace, cfg: EngineConfig, log: Path) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    cmd = [sys.executable, "-m", "loraplane_server.cli", "serve", "--port", str(port), "--model", cfg.model,
+    cmd = [sys.executable, "-m", "loraplane_server.serving.cli", "serve", "--port", str(port), "--model", cfg.model,
            "--dtype", cfg.dtype, "--num-kv-blocks", str(cfg.num_kv_blocks), "--max-num-seqs", str(cfg.max_num_seqs),
            "--max-num-batched-tokens", str(cfg.max_num_batched_tokens), "--max-loras", str(cfg.max_loras),
            "--max-lora-rank", str(cfg.max_lora_rank), "--adapter-dir", str(cfg.adapter_dir),

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from common import machine  # bench/ is on sys.path when run as a script
 
-from loraplane_server.layers import cpu_kernels
+from loraplane_server.kernels import cpu_kernels
 
 LAYERS = 30
 SHAPES = ((576, 960), (576, 576), (576, 3072), (1536, 576))  # (in, out) per layer: qkv, o, gate_up, down

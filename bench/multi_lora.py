@@ -53,7 +53,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from loraplane_server.config import EngineConfig
-from loraplane_server.engine import LLMEngine
+from loraplane_server.engine.llm_engine import LLMEngine
 
 TARGET_SCALING = 1.10  # ours at the most adapters / ours at 1 adapter, latency
 TARGET_LATENCY_VS_PEFT = 0.5  # ours / PEFT, latency, at every count PEFT was measured
@@ -394,7 +394,7 @@ def compute_floor(engine: LLMEngine, w: Workload, peft_seconds: float) -> dict:
     linear layers alone (2 x the layers' weights for every prompt token and every fed-back output
     token, 2 x the lm_head for every output token; attention, LoRA, sampling and all else free) at
     the measured peak matmul rate, against PEFT's measured time."""
-    from loraplane_server.layers.linear import ProjectionLinear
+    from loraplane_server.executor.layers.linear import ProjectionLinear
 
     model = engine.runner.model
     layers = sum(m.weight.numel() for m in model.modules() if isinstance(m, ProjectionLinear))
@@ -518,7 +518,7 @@ def make_adapters(w: Workload, tmp: Path, model_dir: Path) -> tuple[list[Path], 
 
 
 def run(w: Workload, tmp: Path) -> dict:
-    from loraplane_server.builtin import resolve_model
+    from loraplane_server.store.builtin import resolve_model
 
     load_start = os.getloadavg()
     paths, make_seconds = make_adapters(w, tmp, resolve_model("smollm2-135m"))

@@ -194,7 +194,7 @@ for probe in ("_is_avx512_supported", "_is_avx512_bf16_supported", "_is_avx512_v
 
 def isa() -> str:
     """The ISA the bench runs every system at: native, or avx2 under LORAPLANE_CPU_ISA=avx2."""
-    from loraplane_server import cpu_features
+    from loraplane_server.platforms import cpu_features
 
     return cpu_features.isa_cap()
 
@@ -335,7 +335,7 @@ class Setup:
 def start_ours(s: Setup) -> Server:
     port = free_port()
     n = len(s.adapters)
-    cmd = [sys.executable, "-m", "loraplane_server.cli", "serve", "--port", str(port), "--host", "127.0.0.1",
+    cmd = [sys.executable, "-m", "loraplane_server.serving.cli", "serve", "--port", str(port), "--host", "127.0.0.1",
            "--model", "smollm2-135m", "--served-model-name", "base", "--dtype", "auto",
            "--max-num-seqs", str(s.w.batch), "--max-loras", str(n), "--max-lora-rank", str(s.w.max_lora_rank),
            "--max-model-len", str(s.max_model_len), "--adapter-dir", str(s.adapters[0].parent),
@@ -595,7 +595,7 @@ def machine_rates(dtype_name: str) -> dict:
     1 GiB copy and a 1 GiB sum). Run under cap_env() in a child (ceilings()), so an AVX2 cap holds."""
     import torch
 
-    from loraplane_server.layers import cpu_kernels
+    from loraplane_server.kernels import cpu_kernels
 
     dtype = getattr(torch, dtype_name)
     kernel = dtype == torch.bfloat16 and cpu_kernels.load() and cpu_kernels.has_bf16_kernels()
@@ -802,8 +802,8 @@ def run(
 ) -> dict:
     import torch
 
-    from loraplane_server.builtin import resolve_model
-    from loraplane_server.engine import resolve_dtype
+    from loraplane_server.engine.llm_engine import resolve_dtype
+    from loraplane_server.store.builtin import resolve_model
 
     load_start = os.getloadavg()
     model_dir = resolve_model("smollm2-135m")

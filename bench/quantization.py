@@ -41,10 +41,10 @@ from multi_lora import (
     write_variants,
 )
 
-from loraplane_server.builtin import resolve_model
-from loraplane_server.draft import weight_bytes as model_weight_bytes  # bench: weight_bytes is this file's own
-from loraplane_server.engine import LLMEngine
-from loraplane_server.layers.linear import ProjectionLinear
+from loraplane_server.engine.llm_engine import LLMEngine
+from loraplane_server.executor.layers.linear import ProjectionLinear
+from loraplane_server.spec.draft import weight_bytes as model_weight_bytes  # bench: weight_bytes is this file's own
+from loraplane_server.store.builtin import resolve_model
 
 TARGET_DECODE_B1 = 1.6
 TARGET_MULTI_ADAPTER = 1.3

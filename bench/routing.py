@@ -28,7 +28,7 @@ import httpx
 from common import free_port, machine, pyplot, wait_ready  # bench/ is on sys.path when run as a script
 from http_api import make_adapters
 
-from loraplane_server.builtin import resolve_model
+from loraplane_server.store.builtin import resolve_model
 
 REPO = Path(__file__).resolve().parent.parent
 TOKEN = "bench-admin-token"
@@ -96,7 +96,8 @@ def run_mode(mode: str, adapters_dir: Path, jobs: list[tuple[str, str]], args: a
              "--max-model-len", "256", "--num-kv-blocks", "96", "--adapter-dir", str(adapters_dir)]  # fmt: skip
     procs = [
         start(
-            [sys.executable, "-m", "loraplane_server.cli", "serve", "--port", str(p), *flags], work / f"{mode}-{p}.log"
+            [sys.executable, "-m", "loraplane_server.serving.cli", "serve", "--port", str(p), *flags],
+            work / f"{mode}-{p}.log",
         )
         for p in ports
     ]
@@ -110,7 +111,7 @@ def run_mode(mode: str, adapters_dir: Path, jobs: list[tuple[str, str]], args: a
             cmd = [
                 sys.executable,
                 "-m",
-                "loraplane_server.cli",
+                "loraplane_server.serving.cli",
                 "router",
                 "--port",
                 str(port),

@@ -47,11 +47,11 @@ from multi_lora import (
     write_variants,
 )
 
-from loraplane_server.builtin import resolve_model
-from loraplane_server.engine import LLMEngine
-from loraplane_server.gguf_models import find_gguf, write_q8_0
+from loraplane_server.engine.llm_engine import LLMEngine
+from loraplane_server.platforms.user_cache import cache_root
 from loraplane_server.sampling_params import SamplingParams
-from loraplane_server.user_cache import cache_root
+from loraplane_server.store.builtin import resolve_model
+from loraplane_server.store.gguf_models import find_gguf, write_q8_0
 
 TARGET_BATCH1 = 1.5
 TARGET_MULTI_ADAPTER = 0.95

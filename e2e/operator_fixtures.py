@@ -138,7 +138,7 @@ def snapshot_adapters(dest: Path) -> Path:
             continue
         sys.path.insert(0, str(REPO_ROOT / "tests"))
         from lora_helpers import make_peft_adapter  # type: ignore[import-not-found]
-        from loraplane_server.builtin import resolve_model
+        from loraplane_server.store.builtin import resolve_model
 
         targets = ["q_proj", "v_proj"]
         make_peft_adapter(
@@ -153,7 +153,7 @@ def local_server_sample(adapters_dir: Path, replicas: int = 2) -> dict[str, Any]
     bms = copy.deepcopy(load_sample("loraplane.dev_v1alpha1_basemodelserver.yaml"))
     spec = bms["spec"]
     spec["replicas"] = replicas
-    spec["command"] = [sys.executable, "-m", "loraplane_server.cli", "serve"]
+    spec["command"] = [sys.executable, "-m", "loraplane_server.serving.cli", "serve"]
     spec["resources"] = {"gpus": 0}  # --device cpu: with a GPU the operator passes --device cuda, failing here
     spec["engine"] = {
         "maxLoras": 4,
@@ -294,7 +294,7 @@ def reference_greedy(adapters: dict[str, Path], prompt: str, max_tokens: int) ->
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from loraplane_server.builtin import resolve_model
+    from loraplane_server.store.builtin import resolve_model
 
     base_dir = resolve_model("smollm2-135m")
     tokenizer = AutoTokenizer.from_pretrained(str(base_dir))
@@ -325,7 +325,7 @@ def complete_ids(pod: dict[str, Any], model: str, prompt_ids: list[int], max_tok
 
 def builtin_model_dir() -> Path:
     """The built-in model's converted safetensors directory (what the S3 tests upload)."""
-    from loraplane_server.builtin import resolve_model
+    from loraplane_server.store.builtin import resolve_model
 
     return Path(resolve_model("smollm2-135m"))
 

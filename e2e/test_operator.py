@@ -286,7 +286,7 @@ def test_b_server_deployment_service_and_ready_pods(env: Env) -> None:
     deployment = env.get("deployment", SERVER)
     assert deployment["spec"]["replicas"] == 2
     container = deployment["spec"]["template"]["spec"]["containers"][0]
-    assert container["command"][1:] == ["-m", "loraplane_server.cli", "serve"]
+    assert container["command"][1:] == ["-m", "loraplane_server.serving.cli", "serve"]
     assert "--adapter-source-allow" in container["args"] and "$(POD_IP)" in container["args"]
     assert container["args"][container["args"].index("--device") + 1] == "cpu"  # resources.gpus 0: no CUDA probe
     service = env.get("service", SERVER)

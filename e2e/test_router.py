@@ -46,7 +46,7 @@ from e2e.operator_fixtures import (
     ready_server_pods,
     snapshot_adapters,
 )
-from loraplane_server.router.ranking import rank
+from loraplane_server.serving.router.ranking import rank
 
 pytestmark = pytest.mark.e2e
 
@@ -117,7 +117,7 @@ def env(kubectl: Kubectl, cluster: LocalCluster, tmp_path_factory: pytest.TempPa
             "replicas": 2,
             "spillQueue": SPILL_QUEUE,
             "epsilon": EPSILON,
-            "command": [sys.executable, "-m", "loraplane_server.cli", "router"],
+            "command": [sys.executable, "-m", "loraplane_server.serving.cli", "router"],
         }
         kubectl.apply(server, NAMESPACE)
         try:

@@ -12,10 +12,10 @@ if not Path("/dev/nvidia0").exists():
 import pytest
 import torch
 
-from loraplane_server import cpu_features
-from loraplane_server.builtin import resolve_model
-from loraplane_server.device import cuda_unusable_reason
-from loraplane_server.layers import cpu_kernels
+from loraplane_server.kernels import cpu_kernels
+from loraplane_server.platforms import cpu_features
+from loraplane_server.platforms.device import cuda_unusable_reason
+from loraplane_server.store.builtin import resolve_model
 
 # kind -> (transformers config class, model class, what the kind adds to the common config)
 TINY_KINDS: dict[str, tuple[str, str, dict]] = {

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from loraplane_server.config import EngineConfig
-from loraplane_server.engine import LLMEngine, RequestOutput
+from loraplane_server.engine.llm_engine import LLMEngine, RequestOutput
 
 
 def make_engine(model_dir: Path, **overrides: object) -> LLMEngine:

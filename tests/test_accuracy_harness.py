@@ -14,7 +14,7 @@ import pytest
 import torch
 from engine_helpers import make_engine
 
-from loraplane_server.engine import LLMEngine
+from loraplane_server.engine.llm_engine import LLMEngine
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 

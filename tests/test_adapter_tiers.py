@@ -22,8 +22,8 @@ from test_adapters import GOOD, new_engine
 from test_http_support import ADMIN_TOKEN, ServerProcess, admin_headers, engine_state, make_adapter_set
 
 from lora_helpers import make_peft_adapter
-from loraplane_server.engine import LLMEngine
-from loraplane_server.lora.weights import AdapterError
+from loraplane_server.adapters.weights import AdapterError
+from loraplane_server.engine.llm_engine import LLMEngine
 from loraplane_server.sampling_params import SamplingParams
 
 # engine level

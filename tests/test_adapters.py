@@ -12,7 +12,7 @@ from engine_helpers import make_engine, run_all
 from safetensors.torch import load_file, save_file
 
 from lora_helpers import make_peft_adapter, peft_greedy
-from loraplane_server.engine import LLMEngine, RequestOutput
+from loraplane_server.engine.llm_engine import LLMEngine, RequestOutput
 from loraplane_server.sampling_params import SamplingParams
 
 GOOD = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])

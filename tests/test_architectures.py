@@ -26,16 +26,16 @@ from test_engine_hf import hf_greedy, run_staggered
 from test_multi_lora_peft import run_mixed
 
 from lora_helpers import make_peft_adapter, peft_greedy, teacher_forced
+from loraplane_server.adapters.weights import AdapterError, load_lora
 from loraplane_server.config import EngineConfig
-from loraplane_server.engine import LLMEngine
-from loraplane_server.layers import cpu_kernels
-from loraplane_server.layers.rotary import rope_kind
-from loraplane_server.layers.triton_attention import triton_available
-from loraplane_server.lora.weights import AdapterError, load_lora
-from loraplane_server.models import loader, registry
-from loraplane_server.models.llama import ModelArgs
+from loraplane_server.engine.llm_engine import LLMEngine
+from loraplane_server.executor.layers.rotary import rope_kind
+from loraplane_server.executor.models import loader, registry
+from loraplane_server.executor.models.llama import ModelArgs
+from loraplane_server.kernels import cpu_kernels
+from loraplane_server.kernels.triton_attention import triton_available
 from loraplane_server.sampling_params import SamplingParams
-from loraplane_server.sources import ModelSourceError
+from loraplane_server.store.sources import ModelSourceError
 
 VOCAB = 512
 # variants: the tiny kind and its config overrides
@@ -429,7 +429,7 @@ def test_a_sliding_window_caps_the_context_where_the_engine_is_exact(
     """The paged attention has no window: a Mistral with a 40-token window is served up to 40 tokens (logged),
     where its windowed attention and full attention agree, and there it equals transformers token for token."""
     model_dir = save_tiny(tmp_path / "mistral", "mistral", sliding_window=40)
-    with caplog.at_level(logging.WARNING, logger="loraplane_server.models.registry"):
+    with caplog.at_level(logging.WARNING, logger="loraplane_server.executor.models.registry"):
         engine = engine_for(model_dir, tmp_path)
     assert engine.max_model_len == 40
     assert "serving at most 40 tokens of context, the sliding attention window" in caplog.text
@@ -473,8 +473,8 @@ def test_qwen3_under_an_avx2_build(model_dirs: dict[str, Path]) -> None:
         "import json, sys\n"
         "from loraplane_server.config import EngineConfig\n"
         "import torch\n"
-        "from loraplane_server.engine import LLMEngine, resolve_dtype\n"
-        "from loraplane_server.layers import cpu_kernels\n"
+        "from loraplane_server.engine.llm_engine import LLMEngine, resolve_dtype\n"
+        "from loraplane_server.kernels import cpu_kernels\n"
         "from loraplane_server.sampling_params import SamplingParams\n"
         f"config = EngineConfig(model={str(model_dir)!r}, dtype='float32', block_size=4, num_kv_blocks=256)\n"
         "engine = LLMEngine(config)\n"

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from loraplane_server.config import EngineConfig
-from loraplane_server.device import cuda_unusable_reason
-from loraplane_server.engine import LLMEngine
+from loraplane_server.engine.llm_engine import LLMEngine
+from loraplane_server.platforms.device import cuda_unusable_reason
 from loraplane_server.sampling_params import SamplingParams
 
 REPO = Path(__file__).resolve().parents[1]
@@ -61,7 +61,7 @@ def tokenizer_dir() -> Path:
     """The carried tokenizer files (bench/gpu.py --prepare), else the built-in model's."""
     if (gpu.TOKENIZER_DIR / "tokenizer.json").is_file():
         return gpu.TOKENIZER_DIR
-    from loraplane_server.builtin import resolve_model
+    from loraplane_server.store.builtin import resolve_model
 
     return resolve_model("smollm2-135m")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from loraplane_server.block_manager import BlockManager, chain_hash
+from loraplane_server.engine.block_manager import BlockManager, chain_hash
 from loraplane_server.sampling_params import SamplingParams
 from loraplane_server.sequence import Sequence
 

@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 from engine_helpers import make_engine, run_all
 
-from loraplane_server.cuda_graphs import MAX_GRAPH_BATCH, graph_batch_sizes, graph_bucket, is_plain_decode
-from loraplane_server.engine import LLMEngine
-from loraplane_server.lora.triton_kernels import triton_available
+from loraplane_server.engine.llm_engine import LLMEngine
+from loraplane_server.executor.cuda_graphs import MAX_GRAPH_BATCH, graph_batch_sizes, graph_bucket, is_plain_decode
+from loraplane_server.kernels.triton_lora import triton_available
 from loraplane_server.sampling_params import SamplingParams
 from loraplane_server.sequence import Sequence
-from loraplane_server.speculative import SpecState
+from loraplane_server.spec.policy import SpecState
 
 TRITON_ON_CPU = {"device": "cpu", "attention_backend": "triton", "lora_backend": "triton", "layer_backend": "torch"}
 

@@ -13,9 +13,12 @@ import torch
 from engine_helpers import make_engine
 from test_http_support import REPO, ServerProcess, admin_headers
 
-from loraplane_server import cpu_features
 from loraplane_server.config import CPU_KV_CACHE_BYTES, EngineConfig
-from loraplane_server.device import (
+from loraplane_server.executor.memory_profile import profile_blocks, profile_chunks, profile_step
+from loraplane_server.executor.model_runner import ModelRunner, kv_block_bytes
+from loraplane_server.executor.models.loader import checkpoint_bytes, load_model
+from loraplane_server.platforms import cpu_features
+from loraplane_server.platforms.device import (
     GIB,
     DeviceError,
     GPUMemoryError,
@@ -24,9 +27,6 @@ from loraplane_server.device import (
     plan_gpu_memory,
     resolve_device,
 )
-from loraplane_server.memory_profile import profile_blocks, profile_chunks, profile_step
-from loraplane_server.model_runner import ModelRunner, kv_block_bytes
-from loraplane_server.models.loader import checkpoint_bytes, load_model
 
 HAS_CUDA = cuda_unusable_reason() is None
 
@@ -73,7 +73,7 @@ def test_cuda_index_past_the_last_gpu() -> None:
 
 def _serve_fails(args: list[str], tmp_path: Path) -> tuple[int, str]:
     proc = subprocess.run(
-        [sys.executable, "-m", "loraplane_server.cli", "serve", "--port", "0", *args],
+        [sys.executable, "-m", "loraplane_server.serving.cli", "serve", "--port", "0", *args],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -102,7 +102,7 @@ def test_serve_refuses_gpu_options_on_the_cpu(tmp_path: Path) -> None:
 
 def test_serve_refuses_a_bad_device_name() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "loraplane_server.cli", "serve", "--device", "gpu0"],
+        [sys.executable, "-m", "loraplane_server.serving.cli", "serve", "--device", "gpu0"],
         cwd=REPO,
         capture_output=True,
         text=True,

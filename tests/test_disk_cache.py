@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from loraplane_server.lora.disk_cache import CacheFullError, DiskCache, entry_name
+from loraplane_server.adapters.disk_cache import CacheFullError, DiskCache, entry_name
 
 
 def filler(nbytes: int, marker: str = ""):

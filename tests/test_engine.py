@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from engine_helpers import make_engine
 
-from loraplane_server.async_engine import AsyncEngine
-from loraplane_server.engine import LLMEngine
+from loraplane_server.engine.async_engine import AsyncEngine
+from loraplane_server.engine.llm_engine import LLMEngine
 from loraplane_server.sampling_params import SamplingParams
 
 

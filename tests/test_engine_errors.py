@@ -13,8 +13,8 @@ import pytest
 from engine_helpers import make_engine, run_all
 
 from loraplane_server import errors as engine_errors
-from loraplane_server.async_engine import AsyncEngine
-from loraplane_server.engine import LLMEngine
+from loraplane_server.engine.async_engine import AsyncEngine
+from loraplane_server.engine.llm_engine import LLMEngine
 from loraplane_server.errors import (
     AdapterError,
     AdapterInUseError,
@@ -32,14 +32,14 @@ from loraplane_server.errors import (
     RequestFailedError,
     UnknownAdapterError,
 )
-from loraplane_server.http.errors import ApiError, api_error, error_body
-from loraplane_server.http.generation import Generation
-from loraplane_server.http.sampling import make_params
-from loraplane_server.http.server_config import ServerConfig
-from loraplane_server.http.state import ServerState
 from loraplane_server.sampling_params import SamplingParams
+from loraplane_server.serving.http.errors import ApiError, api_error, error_body
+from loraplane_server.serving.http.generation import Generation
+from loraplane_server.serving.http.sampling import make_params
+from loraplane_server.serving.http.server_config import ServerConfig
+from loraplane_server.serving.http.state import ServerState
 
-HTTP_DIR = Path(__file__).resolve().parents[1] / "server" / "loraplane_server" / "http"
+HTTP_DIR = Path(__file__).resolve().parents[1] / "server" / "loraplane_server" / "serving" / "http"
 MAX_MODEL_LEN = 64
 VOCAB = 512  # the tiny models' (conftest.save_tiny)
 E = TypeVar("E", bound=BaseException)

@@ -13,8 +13,8 @@ import pytest
 import torch
 from engine_helpers import make_engine
 
-from loraplane_server.engine import LLMEngine
-from loraplane_server.layers.triton_attention import triton_available
+from loraplane_server.engine.llm_engine import LLMEngine
+from loraplane_server.kernels.triton_attention import triton_available
 from loraplane_server.sampling_params import SamplingParams
 
 

@@ -12,8 +12,8 @@ import torch
 from engine_helpers import make_engine, run_all
 
 from lora_helpers import peft_greedy
-from loraplane_server.engine import LLMEngine
-from loraplane_server.lora.triton_kernels import triton_available
+from loraplane_server.engine.llm_engine import LLMEngine
+from loraplane_server.kernels.triton_lora import triton_available
 from loraplane_server.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(not triton_available(), reason="triton is not importable")

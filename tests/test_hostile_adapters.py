@@ -21,13 +21,13 @@ from safetensors.torch import load_file, save_file
 from test_http_support import ADMIN_TOKEN, ServerProcess, admin_headers
 
 from lora_helpers import make_peft_adapter
-from loraplane_server.engine import LLMEngine
-from loraplane_server.layers.linear import ProjectionLinear
-from loraplane_server.lora.backends import CPUKernelBackend, LoRABackend, TorchBackend, TritonBackend
-from loraplane_server.lora.slots import LoRASlots
-from loraplane_server.lora.weights import AdapterError, LoRAWeights, load_lora
-from loraplane_server.models.llama import ModelArgs
-from loraplane_server.models.loader import load_model, read_config
+from loraplane_server.adapters.weights import AdapterError, LoRAWeights, load_lora
+from loraplane_server.engine.llm_engine import LLMEngine
+from loraplane_server.executor.layers.linear import ProjectionLinear
+from loraplane_server.executor.lora.backends import CPUKernelBackend, LoRABackend, TorchBackend, TritonBackend
+from loraplane_server.executor.lora.slots import LoRASlots
+from loraplane_server.executor.models.llama import ModelArgs
+from loraplane_server.executor.models.loader import load_model, read_config
 from loraplane_server.sampling_params import SamplingParams
 
 FRENCH = Path(__file__).resolve().parent.parent / "server" / "examples" / "adapters" / "french"

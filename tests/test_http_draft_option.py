@@ -7,10 +7,10 @@ import pytest
 from fastapi.testclient import TestClient
 
 from loraplane_server.config import EngineConfig
-from loraplane_server.http.app import create_app
-from loraplane_server.http.lorax import LoraxParameters
-from loraplane_server.http.openai_protocol import ChatCompletionRequest, CompletionRequest
-from loraplane_server.http.server_config import ServerConfig
+from loraplane_server.serving.http.app import create_app
+from loraplane_server.serving.http.lorax import LoraxParameters
+from loraplane_server.serving.http.openai_protocol import ChatCompletionRequest, CompletionRequest
+from loraplane_server.serving.http.server_config import ServerConfig
 
 ROUTES = {
     "/generate": lambda spec: {"inputs": "Hi", "parameters": {"max_new_tokens": 2, "speculative": spec}},

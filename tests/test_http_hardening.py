@@ -20,7 +20,7 @@ from hypothesis.strategies import SearchStrategy
 from schemathesis import GenerationMode
 from test_http_support import ADMIN_TOKEN, ServerProcess, admin_headers, make_adapter_set
 
-from loraplane_server import cpu_features
+from loraplane_server.platforms import cpu_features
 
 pytestmark = pytest.mark.slow
 CONTEXT = 32

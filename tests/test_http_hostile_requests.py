@@ -24,9 +24,9 @@ from test_http_hardening import fuzz_operation
 from test_http_support import ADMIN_TOKEN, ServerProcess, free_port
 
 from loraplane_server.config import EngineConfig
-from loraplane_server.http.app import create_app
-from loraplane_server.http.generation import SSEResponse, sse
-from loraplane_server.http.server_config import ServerConfig
+from loraplane_server.serving.http.app import create_app
+from loraplane_server.serving.http.generation import SSEResponse, sse
+from loraplane_server.serving.http.server_config import ServerConfig
 
 MODEL = "smollm2-135m"
 PROMPT = "The capital of France is"

@@ -40,13 +40,22 @@ DEFAULT_STEP_BUDGET_S = 300.0
 
 
 class ServerProcess:
-    """`python -m loraplane_server.cli serve ...` on a free port; output goes to a log file."""
+    """`python -m loraplane_server.serving.cli serve ...` on a free port; output goes to a log file."""
 
     def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        cmd = [sys.executable, "-m", "loraplane_server.cli", "serve", "--port", str(self.port), *COMMON_FLAGS, *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "loraplane_server.serving.cli",
+            "serve",
+            "--port",
+            str(self.port),
+            *COMMON_FLAGS,
+            *args,
+        ]
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
             cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO, env={**os.environ, **(env or {})}

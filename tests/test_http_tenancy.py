@@ -17,8 +17,8 @@ import httpx
 import pytest
 from test_http_support import ADMIN_TOKEN, ServerProcess, admin_headers, make_adapter_set
 
-from loraplane_server import cli
-from loraplane_server.http.server_config import ServerConfig
+from loraplane_server.serving import cli
+from loraplane_server.serving.http.server_config import ServerConfig
 
 PROMPT = "The capital of France is"
 ADAPTERS = ["a00", "a01", "a02"]

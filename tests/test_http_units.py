@@ -10,15 +10,15 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from loraplane_server import cli
-from loraplane_server.bounded_labels import OTHER
 from loraplane_server.config import EngineConfig
-from loraplane_server.engine import LLMEngine
-from loraplane_server.http.admin import is_valid_adapter_id
-from loraplane_server.http.errors import Rejected, error_body
-from loraplane_server.http.metrics import AdapterUsage, Metrics
-from loraplane_server.http.server_config import ServerConfig, parse_bytes
-from loraplane_server.http.state import Lifecycle
+from loraplane_server.engine.llm_engine import LLMEngine
+from loraplane_server.serving import cli
+from loraplane_server.serving.bounded_labels import OTHER
+from loraplane_server.serving.http.admin import is_valid_adapter_id
+from loraplane_server.serving.http.errors import Rejected, error_body
+from loraplane_server.serving.http.metrics import AdapterUsage, Metrics
+from loraplane_server.serving.http.server_config import ServerConfig, parse_bytes
+from loraplane_server.serving.http.state import Lifecycle
 
 
 def test_usage_labels_stay_bounded_and_every_series_only_grows() -> None:
@@ -141,7 +141,7 @@ def test_sizes_and_config_validation() -> None:
 
 
 def test_serve_builds_one_config_from_flags_and_environment(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
-    import loraplane_server.http.app as http_app
+    import loraplane_server.serving.http.app as http_app
 
     got: list[ServerConfig] = []
     monkeypatch.setattr(http_app, "serve", lambda config: got.append(config) or 0)
@@ -175,7 +175,7 @@ def test_serve_builds_one_config_from_flags_and_environment(monkeypatch: pytest.
 
 
 def test_draft_model_flags_reach_both_engine_configs(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
-    import loraplane_server.http.app as http_app
+    import loraplane_server.serving.http.app as http_app
 
     got: list[ServerConfig] = []
     monkeypatch.setattr(http_app, "serve", lambda config: got.append(config) or 0)

@@ -1,5 +1,5 @@
 """Loading a model never holds a float32 copy of it: the parameters are built in the serving dtype and the
-checkpoint's tensors are cast once as they are copied in (models/loader.py), so a bf16 model's load peaks
+checkpoint's tensors are cast once as they are copied in (executor/models/loader.py), so a bf16 model's load peaks
 near its file (mapped while read) plus its bf16 size, not plus its float32 size."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ CHILD = """
 import json, resource, sys
 import torch
 from pathlib import Path
-from loraplane_server.models.loader import load_model
+from loraplane_server.executor.models.loader import load_model
 torch.ones(1)
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 model = load_model(Path(sys.argv[1]), torch.bfloat16, torch.device("cpu"), 2048)

@@ -9,7 +9,7 @@ import pytest
 from engine_helpers import make_engine
 
 from lora_helpers import ADAPTER_SPECS, make_peft_adapter, peft_greedy
-from loraplane_server.lora.triton_kernels import triton_available
+from loraplane_server.kernels.triton_lora import triton_available
 from loraplane_server.sampling_params import SamplingParams
 
 

@@ -14,7 +14,7 @@ import pytest
 from s3_server import MinioServer, minio_server  # noqa: F401 - the session fixture
 from test_http_support import COMMON_FLAGS, REPO, ServerProcess, free_port
 
-from loraplane_server.builtin import find_gguf
+from loraplane_server.store.builtin import find_gguf
 
 pytestmark = pytest.mark.slow
 
@@ -155,7 +155,7 @@ def test_gguf_file_answers_as_the_builtin(builtin_answers: list[dict], tmp_path:
 def failed_start(args: list[str], env: dict[str, str], tmp_path: Path) -> tuple[list[dict], str, int]:
     """A server that must fail to start: the /ready bodies it answered, its stderr, its exit status."""
     port = free_port()
-    cmd = [sys.executable, "-m", "loraplane_server.cli", "serve", "--port", str(port), *COMMON_FLAGS, *args]
+    cmd = [sys.executable, "-m", "loraplane_server.serving.cli", "serve", "--port", str(port), *COMMON_FLAGS, *args]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "HF_"))} | env
     with open(tmp_path / "stderr.log", "w+") as err:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=err)

@@ -22,17 +22,17 @@ from hf_hub_server import HubServer, files_of
 from s3_server import MinioServer, minio_server  # noqa: F401 - the session fixture
 from safetensors.torch import load_file, save_file
 
-from loraplane_server import model_store
 from loraplane_server.config import EngineConfig
-from loraplane_server.http import state as http_state
-from loraplane_server.http.server_config import ServerConfig
-from loraplane_server.model_store import MANIFEST, Progress, resolve, verify
-from loraplane_server.model_store import entry as store_entry
-from loraplane_server.model_store import hf as store_hf
-from loraplane_server.model_store import resolver as store_resolver
-from loraplane_server.model_store import s3 as store_s3
 from loraplane_server.sampling_params import SamplingParams
-from loraplane_server.sources import ModelSourceError, hf_reason, parse_source
+from loraplane_server.serving.http import state as http_state
+from loraplane_server.serving.http.server_config import ServerConfig
+from loraplane_server.store import models as model_store
+from loraplane_server.store.models import MANIFEST, Progress, resolve, verify
+from loraplane_server.store.models import entry as store_entry
+from loraplane_server.store.models import hf as store_hf
+from loraplane_server.store.models import resolver as store_resolver
+from loraplane_server.store.models import s3 as store_s3
+from loraplane_server.store.sources import ModelSourceError, hf_reason, parse_source
 
 DEAD_ENDPOINT = "http://127.0.0.1:9"  # nothing listens: any network call fails
 
@@ -390,7 +390,7 @@ def test_s3_store_that_ignores_range_restarts_the_file(
 CHILD = """
 import json, sys
 from pathlib import Path
-from loraplane_server.model_store import Progress, resolve
+from loraplane_server.store.models import Progress, resolve
 phases = []
 class Recorder(Progress):
     def set_phase(self, phase):

@@ -12,8 +12,8 @@ import torch
 from engine_helpers import make_engine
 
 from lora_helpers import ADAPTER_SPECS, make_peft_adapter, peft_greedy
-from loraplane_server.engine import LLMEngine
-from loraplane_server.lora.backends import TorchBackend
+from loraplane_server.engine.llm_engine import LLMEngine
+from loraplane_server.executor.lora.backends import TorchBackend
 from loraplane_server.sampling_params import SamplingParams
 
 

@@ -75,7 +75,7 @@ def test_deployment_from_the_sample():
 def test_deployment_with_everything():
     spec = {
         "model": "/models/llama",
-        "command": ["python", "-m", "loraplane_server.cli", "serve"],
+        "command": ["python", "-m", "loraplane_server.serving.cli", "serve"],
         "args": ["--log-level", "debug"],
         "port": 9000,
         "resources": {"gpus": 0, "limits": {"cpu": 4}},
@@ -94,7 +94,7 @@ def test_deployment_with_everything():
     dep = builders.get_deployment(bms(**spec))
     pod = dep["spec"]["template"]["spec"]
     ctr = container(dep)
-    assert ctr["command"] == ["python", "-m", "loraplane_server.cli", "serve"]
+    assert ctr["command"] == ["python", "-m", "loraplane_server.serving.cli", "serve"]
     assert ctr["args"][:8] == ["--model", "/models/llama", "--device", "cpu", "--host", "$(POD_IP)", "--port", "9000"]
     assert ctr["args"][-2:] == ["--log-level", "debug"]
     pairs = dict(zip(ctr["args"][:-2:2], ctr["args"][1:-2:2], strict=True))

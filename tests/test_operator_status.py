@@ -34,7 +34,7 @@ from loraplane_operator.server_status import (
     server_status,
     start_failure,
 )
-from loraplane_server.router.ranking import rank
+from loraplane_server.serving.router.ranking import rank
 
 NOW = "2025-01-01T00:00:10Z"
 WANT = st.AdapterWant("french", "/opt/a/french", "host")
@@ -713,9 +713,9 @@ def test_unload_everywhere_tolerates_gone_pods(fake_pods):
 TRACEBACK_THEN_LINE = (
     "INFO loading s3://models/nope\n"
     "Traceback (most recent call last):\n"
-    '  File "/app/loraplane_server/model_store.py", line 88, in resolve\n'
+    '  File "/app/loraplane_server/store/models.py", line 88, in resolve\n'
     "    raise ModelSourceError(...)\n"
-    "loraplane_server.sources.ModelSourceError: no objects\n"
+    "loraplane_server.store.sources.ModelSourceError: no objects\n"
     "loraplane: failed to start: s3://models/nope: no objects under this prefix (expected config.json and "
     "*.safetensors)\n"
 )

@@ -16,18 +16,18 @@ from safetensors.torch import load_file, save_file
 from test_quantization import assert_matches_peft, peft_adapters_and_work
 
 from loraplane_server.config import EngineConfig
-from loraplane_server.engine import LLMEngine
-from loraplane_server.gguf_models import find_gguf, write_q8_0
-from loraplane_server.layers.linear import ProjectionLinear
-from loraplane_server.model_store import resolve
-from loraplane_server.models.loader import load_model
-from loraplane_server.models.quantized import (
+from loraplane_server.engine.llm_engine import LLMEngine
+from loraplane_server.executor.layers.linear import ProjectionLinear
+from loraplane_server.executor.models.loader import load_model
+from loraplane_server.executor.models.quantized import (
     UnsupportedQuantizationError,
     checkpoint_quantization,
     compressed_tensors_config,
     unpack_int8,
 )
-from loraplane_server.sources import ModelSourceError
+from loraplane_server.store.gguf_models import find_gguf, write_q8_0
+from loraplane_server.store.models import resolve
+from loraplane_server.store.sources import ModelSourceError
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

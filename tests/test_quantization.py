@@ -19,9 +19,9 @@ from test_multi_lora_peft import run_mixed
 
 from lora_helpers import ADAPTER_SPECS, make_peft_adapter, peft_greedy
 from loraplane_server.config import EngineConfig
-from loraplane_server.engine import LLMEngine
-from loraplane_server.layers.linear import ProjectionLinear
-from loraplane_server.layers.quant import dequantize, quantize_int8, torch_int8_linear
+from loraplane_server.engine.llm_engine import LLMEngine
+from loraplane_server.executor.layers.linear import ProjectionLinear
+from loraplane_server.executor.layers.quant import dequantize, quantize_int8, torch_int8_linear
 from loraplane_server.sampling_params import SamplingParams
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

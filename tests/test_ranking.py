@@ -1,4 +1,4 @@
-"""Rendezvous ranking of pods per adapter (router/ranking.py), shared by the operator's placement and the
+"""Rendezvous ranking of pods per adapter (serving/router/ranking.py), shared by the operator's placement and the
 router: deterministic across processes, balanced, and minimal movement when pods come and go."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import subprocess
 import sys
 from collections import Counter
 
-from loraplane_server.router.ranking import place, rank, score
+from loraplane_server.serving.router.ranking import place, rank, score
 
 ADAPTERS = [f"customer-{i:04d}" for i in range(3000)]
 PODS = [f"smollm2-6d5f9c7b8-{suffix}" for suffix in ("abcde", "fghij", "klmno", "pqrst", "uvwxy")]
@@ -24,7 +24,7 @@ def test_rank_is_a_permutation_and_place_takes_its_head() -> None:
 
 def test_the_same_in_another_process() -> None:
     """Router replicas and the operator agree without talking: no per-process hash seed is involved."""
-    code = f"from loraplane_server.router.ranking import rank; print(','.join(rank('french', {PODS!r})))"
+    code = f"from loraplane_server.serving.router.ranking import rank; print(','.join(rank('french', {PODS!r})))"
     outs = {
         subprocess.run(
             [sys.executable, "-c", code], env={**os.environ, "PYTHONHASHSEED": seed}, capture_output=True, text=True,

@@ -1,4 +1,4 @@
-"""The router's choice of pod (router/choice.py) and its reading of requests, with no server: residency first
+"""The router's choice of pod (serving/router/choice.py) and its reading of requests, with no server: residency first
 within an adapter's home, the load bound, the fallback, spilling a hot adapter and narrowing it back."""
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ import httpx
 import pytest
 from prometheus_client import generate_latest
 
-from loraplane_server.router.app import Router, RouterConfig, adapter_of, tier_name
-from loraplane_server.router.choice import PodView, Spill, choose, load_bound
-from loraplane_server.router.metrics import OTHER, POD_SERIES_TTL_S, AdapterCount, AdapterCounts, RouterMetrics
-from loraplane_server.router.pool import _load, static_targets
-from loraplane_server.router.ranking import rank
+from loraplane_server.serving.router.app import Router, RouterConfig, adapter_of, tier_name
+from loraplane_server.serving.router.choice import PodView, Spill, choose, load_bound
+from loraplane_server.serving.router.metrics import OTHER, POD_SERIES_TTL_S, AdapterCount, AdapterCounts, RouterMetrics
+from loraplane_server.serving.router.pool import _load, static_targets
+from loraplane_server.serving.router.ranking import rank
 
 NAMES = ["pod-a", "pod-b", "pod-c", "pod-d"]
 

@@ -18,7 +18,7 @@ from lorax import Client
 from openai import OpenAI
 from test_http_support import ADMIN_TOKEN, REPO, ServerProcess, admin_headers, free_port, make_adapter_set, wait_idle
 
-from loraplane_server.router.ranking import rank
+from loraplane_server.serving.router.ranking import rank
 
 ADAPTERS = [f"tenant-{i}" for i in range(6)]
 POD_NAMES = ["pod-a", "pod-b"]  # what the ranking hashes (--pod NAME=URL): the same split in every run
@@ -29,7 +29,7 @@ class RouterProcess:
     def __init__(self, pods: list[ServerProcess], log_path: Path, *flags: str) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "loraplane_server.cli", "router", "--port", str(self.port), *flags]
+        cmd = [sys.executable, "-m", "loraplane_server.serving.cli", "router", "--port", str(self.port), *flags]
         for name, pod in zip(POD_NAMES, pods, strict=True):
             cmd += ["--pod", f"{name}={pod.url}"]
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
-from loraplane_server.sampler import Sampler, apply_repetition_penalty, make_generator
+from loraplane_server.executor.sampler import Sampler, apply_repetition_penalty, make_generator
 from loraplane_server.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")

@@ -7,10 +7,10 @@ from collections.abc import Callable
 
 import pytest
 
-from loraplane_server.block_manager import BlockManager
-from loraplane_server.lora.slot_table import PinLimitError, SlotTable
+from loraplane_server.adapters.slot_table import PinLimitError, SlotTable
+from loraplane_server.engine.block_manager import BlockManager
+from loraplane_server.engine.scheduler import Scheduler, SchedulerOutput
 from loraplane_server.sampling_params import SamplingParams
-from loraplane_server.scheduler import Scheduler, SchedulerOutput
 from loraplane_server.sequence import FinishReason, Sequence, SequenceStatus
 
 BS = 4

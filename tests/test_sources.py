@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 from safetensors.numpy import save
 
-from loraplane_server.sources import AdapterSource, AdapterSourceError, fetch, is_allowed, parse_source
-from loraplane_server.sources import archive as sources_archive
-from loraplane_server.sources import s3 as sources_s3
+from loraplane_server.store.sources import AdapterSource, AdapterSourceError, fetch, is_allowed, parse_source
+from loraplane_server.store.sources import archive as sources_archive
+from loraplane_server.store.sources import s3 as sources_s3
 
 CONFIG = json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}).encode()
 WEIGHTS = save({"base_model.model.layers.0.self_attn.q_proj.lora_A.weight": np.ones((4, 8), np.float32)})

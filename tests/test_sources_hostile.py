@@ -20,10 +20,10 @@ import pytest
 from test_http_support import ADMIN_TOKEN, REPO, ServerProcess, admin_headers
 from test_sources import GOOD_MEMBERS, assert_good, tar_bytes
 
-from loraplane_server.lora.disk_cache import DiskCache
-from loraplane_server.sources import MAX_REDIRECTS, AdapterSourceError, fetch, parse_source
-from loraplane_server.sources.archive import extract_adapter
-from loraplane_server.sources.budget import Budget
+from loraplane_server.adapters.disk_cache import DiskCache
+from loraplane_server.store.sources import MAX_REDIRECTS, AdapterSourceError, fetch, parse_source
+from loraplane_server.store.sources.archive import extract_adapter
+from loraplane_server.store.sources.budget import Budget
 
 BOMB_BYTES = 200_000_000  # one member of zeros, about 200 KB once gzipped
 STREAM_BYTES = 64 << 20  # what the endless bodies would send if read to the end

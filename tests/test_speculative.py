@@ -17,11 +17,11 @@ import torch
 from engine_helpers import make_engine, run_all
 
 from lora_helpers import ADAPTER_SPECS, make_peft_adapter
-from loraplane_server.block_manager import BlockManager
-from loraplane_server.engine import LLMEngine
+from loraplane_server.engine.block_manager import BlockManager
+from loraplane_server.engine.llm_engine import LLMEngine
 from loraplane_server.sampling_params import SamplingParams
 from loraplane_server.sequence import Sequence
-from loraplane_server.speculative import NgramIndex, SpecState, cap_proposal
+from loraplane_server.spec.policy import NgramIndex, SpecState, cap_proposal
 
 
 # proposer
@@ -413,7 +413,7 @@ def test_nonfinite_rows_drop_their_whole_sequence() -> None:
     """A speculative sequence with a NaN in any of its k + 1 rows is set aside whole; the others keep their rows."""
     from types import SimpleNamespace
 
-    from loraplane_server.model_runner import ModelRunner
+    from loraplane_server.executor.model_runner import ModelRunner
 
     plain, spec, other = (Sequence(f"r{i}", [1, 2, 3], SamplingParams()) for i in range(3))
     spec.spec = SpecState(max_k=4, proposed=[5, 6])

@@ -20,11 +20,11 @@ from safetensors.torch import load_file, save_file
 from test_speculative import compare, mixed_work, repetitive_prompts, run_work
 
 from loraplane_server.config import EngineConfig
-from loraplane_server.draft import DraftModelError, check_vocabulary
 from loraplane_server.errors import InvalidRequestError
-from loraplane_server.model_runner import kv_block_bytes
+from loraplane_server.executor.model_runner import kv_block_bytes
 from loraplane_server.sampling_params import SamplingParams
-from loraplane_server.speculative import DraftGate, DraftPolicy, draft_k, expected_accepted
+from loraplane_server.spec.draft import DraftModelError, check_vocabulary
+from loraplane_server.spec.policy import DraftGate, DraftPolicy, draft_k, expected_accepted
 
 # draft_cost_ratio 0: the draft proposes whenever it can (its cost model is tested on its own below)
 TINY = dict(

@@ -11,10 +11,10 @@ import pytest
 import torch
 from engine_helpers import make_engine
 
-from loraplane_server.async_engine import AsyncEngine
-from loraplane_server.engine import LLMEngine
+from loraplane_server.engine.async_engine import AsyncEngine
+from loraplane_server.engine.llm_engine import LLMEngine
+from loraplane_server.platforms.torch_threads import DEFAULT_THREADS, cpu_quota, default_threads, engine_thread
 from loraplane_server.sampling_params import SamplingParams
-from loraplane_server.torch_threads import DEFAULT_THREADS, cpu_quota, default_threads, engine_thread
 
 
 def test_build_loads_and_steps_the_engine_on_one_thread(smollm2_dir: Path) -> None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from loraplane_operator import constants as c
-from loraplane_server.router.ranking import place
+from loraplane_server.serving.router.ranking import place
 
 Row = Mapping[str, Any]
 

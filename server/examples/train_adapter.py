@@ -26,7 +26,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM, PreTrainedTokenizerBase
 
-from loraplane_server.builtin import resolve_model
+from loraplane_server.store.builtin import resolve_model
 
 EXAMPLES_DIR = Path(__file__).resolve().parent
 BASE_MODEL = "smollm2-135m"

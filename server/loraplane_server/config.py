@@ -25,7 +25,7 @@ class EngineConfig:
     dtype: str = "auto"  # auto | bfloat16 | float16 | float32
     # none | int8: the decoder's linear layers (q, k, v, o, gate, up, down) as int8 weights with one scale per
     # output channel, quantized at load; activations, LoRA, norms, the KV cache, embedding and lm_head keep dtype.
-    # A pre-quantized int8 checkpoint (models/quantized.py) is served as int8 whatever this says.
+    # A pre-quantized int8 checkpoint (executor/models/quantized.py) is served as int8 whatever this says.
     quantization: str = "none"
     # auto (CUDA when torch sees a GPU, else the CPU) | cpu | cuda | cuda:N (device.py); a CUDA device that cannot
     # serve is an error at start, never a CPU fallback

@@ -1,6 +1,6 @@
 """The engine's typed errors: what a caller can tell apart without reading a message.
 
-Plain Python, no HTTP: the HTTP layer maps each type to a status code in one place (http/errors.py).
+Plain Python, no HTTP: the HTTP layer maps each type to a status code in one place (serving/http/errors.py).
 Each subclasses the built-in its callers caught before these types existed (ValueError, RuntimeError).
 """
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from loraplane_server.detokenizer import Detokenizer
 from loraplane_server.errors import RequestFailedError
 from loraplane_server.sampling_params import SamplingParams
-from loraplane_server.speculative import SpecState
+from loraplane_server.spec.policy import SpecState
 
 if TYPE_CHECKING:
     import torch

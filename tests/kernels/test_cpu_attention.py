@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from attention_cases import make_case, reference
-from loraplane_server.layers import cpu_kernels
+from loraplane_server.kernels import cpu_kernels
 
 pytestmark = pytest.mark.requires_cpu_kernels
 
@@ -125,7 +125,7 @@ def test_thread_count_does_not_change_the_result() -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_write_kv_matches_index_copy_from_strided_views(dtype: torch.dtype) -> None:
     """k and v as views into a fused q|k|v output (rows strided), scattered slots in 3 blocks of 4."""
-    from loraplane_server.attention import TorchAttention
+    from loraplane_server.executor.attention import TorchAttention
 
     gen = torch.Generator().manual_seed(11)
     qkv = torch.randn(9, (4 + 2 + 2) * 16, generator=gen).to(dtype)  # [T, (H + 2 KVH) * D]
@@ -157,7 +157,7 @@ def test_engine_falls_back_to_torch_without_the_kernel(tiny_llama_dir) -> None:
 
     script = (
         "from loraplane_server.config import EngineConfig\n"
-        "from loraplane_server.engine import LLMEngine\n"
+        "from loraplane_server.engine.llm_engine import LLMEngine\n"
         f"cfg = dict(model={str(tiny_llama_dir)!r}, num_kv_blocks=16)\n"
         "engine = LLMEngine(EngineConfig(**cfg, dtype='bfloat16'))\n"
         "print(engine.attention_backend, engine.layer_backend)\n"

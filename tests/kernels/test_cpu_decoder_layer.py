@@ -13,7 +13,7 @@ from conftest import save_tiny
 from engine_helpers import make_engine, run_all
 
 from lora_helpers import ADAPTER_SPECS, make_peft_adapter
-from loraplane_server.layers import cpu_kernels
+from loraplane_server.kernels import cpu_kernels
 from loraplane_server.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.requires_cpu_kernels

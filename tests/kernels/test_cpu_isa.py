@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from loraplane_server import cpu_features
 from loraplane_server.config import EngineConfig
-from loraplane_server.engine import LLMEngine, resolve_dtype
-from loraplane_server.layers import cpu_kernels
+from loraplane_server.engine.llm_engine import LLMEngine, resolve_dtype
+from loraplane_server.kernels import cpu_kernels
+from loraplane_server.platforms import cpu_features
 
 CPU = torch.device("cpu")
 
@@ -104,10 +104,10 @@ def test_without_the_bf16_kernels_auto_takes_torch_and_cpu_kernel_is_refused_at_
 
 AVX2_PROBE = """
 import json, torch
-from loraplane_server import cpu_features
+from loraplane_server.platforms import cpu_features
 from loraplane_server.config import EngineConfig
-from loraplane_server.engine import LLMEngine
-from loraplane_server.layers import cpu_kernels
+from loraplane_server.engine.llm_engine import LLMEngine
+from loraplane_server.kernels import cpu_kernels
 from loraplane_server.sampling_params import SamplingParams
 
 report = {"isa": cpu_kernels.isa(), "flags": sorted(cpu_features.cpu_flags()), "build": cpu_kernels.build_dir().name}
@@ -168,7 +168,8 @@ def test_a_prebuilt_target_is_loaded_before_the_cache_and_build_reuses_it(tmp_pa
     assert cpu_kernels.prebuilt(target) is None  # not without the variable
     env = {**os.environ, cpu_kernels.PREBUILT_ENV: str(prebuilt_root), "LORAPLANE_CACHE": str(tmp_path / "cache")}
     code = (
-        "from loraplane_server.layers import cpu_kernels as k; from loraplane_server import cpu_features as c; "
+        "from loraplane_server.kernels import cpu_kernels as k; "
+        "from loraplane_server.platforms import cpu_features as c; "
         "print(k.load(), k.isa(), k.prebuilt(c.kernel_target()))"
     )
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
@@ -177,7 +178,7 @@ def test_a_prebuilt_target_is_loaded_before_the_cache_and_build_reuses_it(tmp_pa
     assert (ok, isa) == ("True", cpu_kernels.isa())
     assert library == str(prebuilt_root / cpu_kernels.build_dir().name / cpu_kernels.LIBRARY)
     assert not (tmp_path / "cache").exists()  # nothing built into the cache
-    command = [sys.executable, "-m", "loraplane_server.layers.cpu_kernels", "build", "--target", target]
+    command = [sys.executable, "-m", "loraplane_server.kernels.cpu_kernels", "build", "--target", target]
     done = subprocess.run(
         [*command, "--into", str(prebuilt_root)], env=env, capture_output=True, text=True, timeout=600
     )

@@ -6,10 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from loraplane_server.layers import cpu_kernels
-from loraplane_server.layers.norm import RMSNorm
-from loraplane_server.layers.rotary import RotaryEmbedding, apply_rotary
-from loraplane_server.sampler import Sampler
+from loraplane_server.executor.layers.norm import RMSNorm
+from loraplane_server.executor.layers.rotary import RotaryEmbedding, apply_rotary
+from loraplane_server.executor.sampler import Sampler
+from loraplane_server.kernels import cpu_kernels
 from loraplane_server.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.requires_cpu_kernels

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 
 from lora_helpers import teacher_forced
 from loraplane_server.config import EngineConfig
-from loraplane_server.engine import LLMEngine
-from loraplane_server.layers import cpu_kernels
+from loraplane_server.engine.llm_engine import LLMEngine
+from loraplane_server.kernels import cpu_kernels
 from loraplane_server.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.requires_cpu_kernels

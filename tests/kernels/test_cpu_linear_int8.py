@@ -1,5 +1,5 @@
 """The int8-weight linear kernels (csrc/linear_int8_cpu.cpp) and the quantizer they take their weights
-from (layers/quant.py): the few-rows path (weight-only, exact up to fp32 sums) against fp32 torch on the
+from (executor/layers/quant.py): the few-rows path (weight-only, exact up to fp32 sums) against fp32 torch on the
 dequantized weight; the GEMM path (x quantized per row, integer dot products) against the same
 quantization done in torch, and within the error its quantization of x allows against fp32."""
 
@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from loraplane_server.layers import cpu_kernels
-from loraplane_server.layers.quant import quantize_int8
+from loraplane_server.executor.layers.quant import quantize_int8
+from loraplane_server.kernels import cpu_kernels
 
 pytestmark = pytest.mark.requires_bf16_kernels
 

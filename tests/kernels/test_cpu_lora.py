@@ -10,8 +10,8 @@ import torch
 from engine_helpers import make_engine, run_all
 
 from lora_helpers import ADAPTER_SPECS, make_peft_adapter, teacher_forced
-from loraplane_server.layers import cpu_kernels
-from loraplane_server.lora.backends import TorchBackend
+from loraplane_server.executor.lora.backends import TorchBackend
+from loraplane_server.kernels import cpu_kernels
 from loraplane_server.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.requires_cpu_kernels  # the BGMV kernels themselves: requires_bf16_kernels
@@ -43,7 +43,7 @@ def reference_delta(
     ],
 )
 def test_bgmv_matches_fp32(k: int, bounds: list[int], rank: int) -> None:
-    """Block-diagonal slots as lora/slots.py lays them out: slot s's projection p on rank rows
+    """Block-diagonal slots as executor/lora/slots.py lays them out: slot s's projection p on rank rows
     [p*r, p*r + r_p). Ranks differ per slot, some projections are absent, slot 5 is the zero "none"
     slot; decode rows on single slots, then prefill runs of one slot."""
     gen = torch.Generator().manual_seed(k + bounds[-1])
@@ -89,7 +89,7 @@ def test_bgmv_matches_fp32(k: int, bounds: list[int], rank: int) -> None:
     cpu_kernels.bgmv_(again, x, a, bt, slots, proj_rows, torch.tensor(bounds), 5)
     assert torch.equal(again, out)
 
-    # the packed layout (lora/slots.py with the CPU kernels): the same products, bit for bit
+    # the packed layout (executor/lora/slots.py with the CPU kernels): the same products, bit for bit
     packed, proj = pack(a, bt, proj_rows, bounds, filler=1e4)
     once_more = base.clone()
     cpu_kernels.bgmv_packed_(once_more, x, packed, slots, proj, torch.tensor(bounds), 5)

@@ -7,7 +7,7 @@ import torch
 
 from attention_cases import make_chunk
 from attention_cases import prefill_reference as reference
-from loraplane_server.layers import cpu_kernels
+from loraplane_server.kernels import cpu_kernels
 
 pytestmark = pytest.mark.requires_cpu_kernels  # the kernel itself: requires_bf16_kernels
 

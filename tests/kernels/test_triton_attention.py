@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from attention_cases import make_case, make_chunk, prefill_reference, reference
-from loraplane_server.layers.triton_attention import paged_decode_attention, paged_prefill_attention, triton_available
+from loraplane_server.kernels.triton_attention import paged_decode_attention, paged_prefill_attention, triton_available
 
 pytestmark = [
     pytest.mark.skipif(not triton_available(), reason="needs triton with CUDA or TRITON_INTERPRET=1"),

@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from loraplane_server.layers import triton_int8
-from loraplane_server.layers.triton_int8 import int8_linear, int8_linear_silu_mul, triton_available
-from loraplane_server.lora.triton_kernels import _is_interpreting
+from loraplane_server.kernels import triton_int8
+from loraplane_server.kernels.triton_int8 import int8_linear, int8_linear_silu_mul, triton_available
+from loraplane_server.kernels.triton_lora import _is_interpreting
 
 pytestmark = [
     pytest.mark.skipif(not triton_available(), reason="needs triton with CUDA or TRITON_INTERPRET=1"),

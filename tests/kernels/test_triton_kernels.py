@@ -7,7 +7,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first importe
 import pytest
 import torch
 
-from loraplane_server.lora.triton_kernels import sgmv_expand, sgmv_shrink, triton_available
+from loraplane_server.kernels.triton_lora import sgmv_expand, sgmv_shrink, triton_available
 
 pytestmark = [
     pytest.mark.skipif(not triton_available(), reason="needs triton with CUDA or TRITON_INTERPRET=1"),

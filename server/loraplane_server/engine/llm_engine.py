@@ -1,0 +1,650 @@
+"""The engine: add_request / step / abort, and a blocking generate() on top.
+
+One step = schedule -> one forward pass over every scheduled token -> sample -> finish checks.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from loraplane_server.adapters.disk_cache import DiskCache
+from loraplane_server.adapters.manager import AdapterManager
+from loraplane_server.adapters.orchestrator import AdapterOrchestrator
+from loraplane_server.adapters.slot_table import SlotTable
+from loraplane_server.config import CPU_KV_CACHE_BYTES, EngineConfig
+from loraplane_server.engine.block_manager import BlockManager
+from loraplane_server.engine.scheduler import Scheduler
+from loraplane_server.errors import (
+    EmptyPromptError,
+    InvalidPromptError,
+    InvalidRequestError,
+    InvalidTokenIdError,
+    PromptTooLongError,
+    RequestFailedError,
+)
+from loraplane_server.executor.backends import resolve_backends
+from loraplane_server.executor.cuda_graphs import DecodeGraphs
+from loraplane_server.executor.lora.slots import LoRASlots
+from loraplane_server.executor.memory_profile import measure_peak_step, profile_blocks, profile_chunks, profile_step
+from loraplane_server.executor.model_runner import ModelRunner, kv_block_bytes
+from loraplane_server.executor.models.args import ModelArgs
+from loraplane_server.executor.models.llama import LlamaForCausalLM
+from loraplane_server.executor.models.loader import checkpoint_bytes, load_model, read_config
+from loraplane_server.executor.models.registry import max_context, model_args
+from loraplane_server.executor.sampler import make_generator
+from loraplane_server.kernels import cpu_kernels
+from loraplane_server.platforms import cpu_features
+from loraplane_server.platforms.device import (
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    DeviceError,
+    MemoryPlan,
+    check_weights_fit,
+    device_info,
+    plan_gpu_memory,
+    resolve_device,
+)
+from loraplane_server.platforms.user_cache import cache_root
+from loraplane_server.request_output import RequestOutput as RequestOutput  # its home before; importers keep it
+from loraplane_server.sampling_params import SamplingParams
+from loraplane_server.sequence import FinishReason, Sequence, SequenceStatus
+from loraplane_server.spec.draft import DraftModel, DraftRun, check_vocabulary, weight_bytes
+from loraplane_server.spec.policy import DraftPolicy, SpecState, cap_proposal, spare_tokens
+from loraplane_server.store.models import resolve_model
+
+log = logging.getLogger("loraplane.engine")
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """auto: bf16 on CUDA (fp16 on a GPU older than Ampere, which has no bf16), on CPUs with bf16 dot products
+    (AVX-512 BF16, AMX) and where the CPU kernels have their bf16 paths (AVX2: half the bytes of fp32 per weight
+    and KV row); fp32 elsewhere (torch's own bf16 kernels without either are slower than its fp32 ones)."""
+    if name == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else torch.float16
+        fast_bf16 = cpu_features.has_bf16_compute() or cpu_kernels.has_bf16_kernels()
+        return torch.bfloat16 if fast_bf16 else torch.float32
+    return getattr(torch, name)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, on_phase: Callable[[str], None] | None = None) -> None:
+        """on_phase(name) is called as start-up moves on (the HTTP server's /ready reports it): resolving
+        the model, building the CPU kernels (first start on a machine), loading the weights, the rest."""
+        phase = on_phase or (lambda _name: None)
+        self.config = config
+        self.device = resolve_device(config.device)  # an explicit CUDA device that cannot serve raises here
+        gpu_free = self._claim_gpu(config)  # (total, free) bytes before this engine takes any; None on the CPU
+        self.device_info = device_info(self.device, cpu_features.describe())
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        phase("resolving the model")
+        self.model_dir = resolve_model(config, on_phase)  # downloads into the model cache, with progress
+        hf_config = read_config(self.model_dir)
+        self.max_model_len = min(config.max_model_len or 1 << 30, max_context(hf_config))  # checks the type
+        tokenizer: Any = None  # the model's (a transformers tokenizer), loaded early to check a draft's against
+        draft_dir: Path | None = None
+        draft_args: ModelArgs | None = None
+        self.draft_max_len = self.max_model_len
+        if config.draft_model:  # resolved and checked against the model's tokenizer before any weight loads
+            phase("resolving the draft model")
+            draft_dir = resolve_model(replace(config, model=config.draft_model), on_phase, flag="--draft-model")
+            draft_config = read_config(draft_dir)
+            draft_args = model_args(draft_config)
+            self.draft_max_len = min(self.max_model_len, max_context(draft_config))
+            tokenizer = _load_tokenizer(self.model_dir)
+            check_vocabulary(tokenizer, _load_tokenizer(draft_dir), model_args(hf_config), draft_args)
+        if self.device.type == "cpu" and {config.attention_backend, config.layer_backend} & {"auto", "cpu_kernel"}:
+            phase("building the CPU kernels")  # a cache hit on every start but a machine's first
+            cpu_kernels.load()
+        if gpu_free is not None:
+            int8 = config.quantization == "int8"
+            need = checkpoint_bytes(self.model_dir, self.dtype, int8)
+            need += checkpoint_bytes(draft_dir, self.dtype, int8) if draft_dir is not None else 0
+            check_weights_fit(need, *gpu_free, self.gpu_memory_utilization)
+        phase("loading the weights")
+        model = load_model(self.model_dir, self.dtype, self.device, self.max_model_len)
+        if config.quantization == "int8":
+            phase("quantizing the weights to int8")
+            model.quantize_int8()
+        draft_weights = None
+        if draft_dir is not None:  # before the KV cache: on CUDA its weights come off the budget first
+            phase("loading the draft model")
+            draft_weights = load_model(draft_dir, self.dtype, self.device, self.draft_max_len)
+            if config.quantization == "int8":
+                draft_weights.quantize_int8()
+        phase("allocating the KV cache and adapter slots")
+        block_bytes = kv_block_bytes(model.args, config.block_size, self.dtype)
+        if draft_args is not None:  # the draft's K/V lives in the same blocks: each block holds both
+            block_bytes += kv_block_bytes(draft_args, config.block_size, self.dtype)
+        self.backends = resolve_backends(config, self.device, self.dtype)
+        self.attention_backend = self.backends.attention.name
+        self.layer_backend = self.backends.layer_backend
+        self.lora_backend = self.backends.lora
+        self.lora_slots = LoRASlots(
+            model, config.max_loras, config.max_lora_rank, self.dtype, self.device, self.lora_backend.packed_slots
+        )
+        self.memory_plan: MemoryPlan | None = None
+        if gpu_free is not None and config.num_kv_blocks is None and config.kv_cache_bytes is None:
+            phase("profiling a step for the GPU memory budget")
+            self.memory_plan = self._plan_gpu_memory(model, block_bytes, gpu_free)
+            log.info("%s; %d adapter slots", self.memory_plan.describe(), config.max_loras)
+        graphs = self._graphs_mode()
+        num_blocks = self._num_blocks(block_bytes) - (graphs is not None)  # the plan's last block: graphs' scratch
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.adapters = AdapterManager(
+            model.args,
+            self.dtype,
+            config.max_lora_rank,
+            config.host_cache_bytes,
+            DiskCache(Path(config.disk_cache_dir or cache_root() / "adapters"), config.disk_cache_bytes),
+            Path(config.adapter_dir) if config.adapter_dir else None,
+        )
+        self.slots = SlotTable(config.max_loras)
+        self.scheduler = Scheduler(
+            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, self.slots, self.adapters.is_ready
+        )
+        self.runner = ModelRunner(
+            model,
+            num_blocks,
+            config.block_size,
+            self.dtype,
+            self.device,
+            self.backends,
+            self.lora_slots,
+            scratch_block=graphs is not None,
+        )
+        if graphs is not None:
+            phase("capturing CUDA graphs" if graphs == "capture" else "decode graph buffers")
+            self.runner.graphs = DecodeGraphs(self.runner, config.max_num_seqs, self.max_model_len, num_blocks)
+            if graphs == "capture":
+                self.runner.graphs.capture()
+        self.draft: DraftModel | None = None
+        self.draft_policy: DraftPolicy | None = None
+        if draft_dir is not None and draft_weights is not None:
+            self.draft = DraftModel(
+                draft_weights,
+                draft_dir,
+                self.draft_max_len,
+                num_blocks,
+                config.block_size,
+                self.dtype,
+                self.device,
+                self.backends,
+                model.args.vocab_size,
+            )
+            self.draft_policy = DraftPolicy(
+                config.draft_cost_ratio,
+                self.draft.weight_bytes / weight_bytes(model),
+                config.max_num_batched_tokens,
+                config.speculative_max_step_tokens,
+            )
+        log.info("engine: %s", self.describe())
+        phase("loading the tokenizer")
+        self.tokenizer = tokenizer if draft_dir is not None else _load_tokenizer(self.model_dir)
+        self.eos_token_ids = _eos_ids(self.model_dir, hf_config)
+        self.requests: dict[str, Sequence] = {}  # unfinished requests; each holds its own state
+        self.orchestrator = AdapterOrchestrator(
+            self.adapters, self.slots, self.lora_slots, self.scheduler, self.requests, self._fail
+        )
+        self._aborted: list[RequestOutput] = []
+        self._counter = itertools.count()
+        self.num_steps = 0
+        self.last_step_tokens = 0
+        self.spec_proposed_total = 0  # speculative tokens proposed and accepted, every request together
+        self.spec_accepted_total = 0
+
+    @property
+    def gpu_memory_utilization(self) -> float:
+        return self.config.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION
+
+    def _claim_gpu(self, config: EngineConfig) -> tuple[int, int] | None:
+        """On CUDA: make the device current and read (total, free) bytes before the engine takes any. On the
+        CPU: refuse the GPU-only options rather than ignore them."""
+        if self.device.type != "cuda":
+            if config.gpu_memory_utilization is not None:
+                raise DeviceError(
+                    f"--gpu-memory-utilization applies to CUDA devices; this engine runs on the {self.device}"
+                )
+            return None
+        torch.cuda.set_device(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        return total, free
+
+    def _plan_gpu_memory(self, model: LlamaForCausalLM, block_bytes: int, gpu_free: tuple[int, int]) -> MemoryPlan:
+        """Profile the largest step on a KV cache just big enough for it, then give the KV cache what the budget
+        leaves (device.py); a model that does not fit raises GPUMemoryError with the bytes."""
+        config = self.config
+        chunks = profile_chunks(config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len)
+        blocks = profile_blocks(chunks, config.block_size)
+        runner = ModelRunner(model, blocks, config.block_size, self.dtype, self.device, self.backends, self.lora_slots)
+        profile_kv = runner.kv_caches.numel() * runner.kv_caches.element_size()
+        peak, device_used = measure_peak_step(runner, profile_step(chunks, config.block_size))
+        del runner
+        torch.cuda.empty_cache()
+        total, free_at_start = gpu_free
+        # of what the device holds outside torch now, other processes (and our CUDA context) held it at start
+        non_torch = max(0, device_used - (total - free_at_start))
+        return plan_gpu_memory(
+            total,
+            free_at_start,
+            self.gpu_memory_utilization,
+            peak - profile_kv,
+            non_torch,
+            block_bytes,
+            min_blocks=-(-self.max_model_len // config.block_size) + 1,  # + decode graphs' scratch block
+        )
+
+    def _graphs_mode(self) -> str | None:
+        """capture: decode steps as CUDA graphs (on CUDA, the Triton attention and LoRA backends, unless
+        --enforce-eager); None: every step eager. (The tests set "eager": the graphs' static buffers without a
+        capture, on the CPU.)"""
+        eligible = (
+            self.attention_backend == "triton"
+            and self.lora_backend.name == "triton"
+            and not self.backends.layer_kernels
+        )
+        return "capture" if self.device.type == "cuda" and not self.config.enforce_eager and eligible else None
+
+    def _decode_mode(self) -> str:
+        """How decode steps run, for describe()."""
+        if self.runner.graphs is not None:
+            return self.runner.graphs.describe()
+        if self.config.enforce_eager:
+            return "decode eager (--enforce-eager)"
+        backends = f"{self.attention_backend} attention, {self.lora_backend.name} LoRA"
+        return f"decode eager (CUDA graphs need the triton attention and LoRA backends, not {backends})"
+
+    def _num_blocks(self, block_bytes: int) -> int:
+        """KV blocks: the GPU plan's, else --num-kv-blocks, else what kv_cache_bytes buys (1 GiB on the CPU)."""
+        if self.memory_plan is not None:
+            return self.memory_plan.num_blocks
+        kv_bytes = self.config.kv_cache_bytes or CPU_KV_CACHE_BYTES
+        return self.config.num_kv_blocks or max(2, kv_bytes // block_bytes)
+
+    def describe(self) -> str:
+        """One line of what runs where: the CPU (or device), dtype, the kernels' ISA, every backend."""
+        if self.device.type == "cpu":
+            isa = cpu_kernels.loaded_isa()
+            where = f"{cpu_features.describe()}, kernels built for {isa or 'none (torch only)'}"
+        else:
+            where = f"{self.device_info.describe()}, {self._decode_mode()}"
+        dtype = str(self.dtype).removeprefix("torch.")
+        if self.runner.model.int8:
+            dtype += " (int8 weights)"
+        draft = f"; {self.draft.describe()}" if self.draft is not None else ""
+        return f"{where}; {dtype}; {self.backends.describe(self.runner.model.fused_layers)}{draft}"
+
+    # requests
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        adapter_id: str | None = None,
+        prompt_checked: bool = False,
+    ) -> str:
+        """Queue a request; its id. Raises the request's typed error (an EngineError). prompt_checked:
+        the caller ran check_prompt on these very ids (the HTTP API does, before it builds a request)."""
+        params = params or SamplingParams()
+        method = params.speculative or self.config.speculative
+        if method == "draft" and self.draft is None:
+            raise InvalidRequestError(
+                "speculative='draft' needs a server started with a draft model (--draft-model)", param="speculative"
+            )
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidPromptError(f"{self.model_dir} has no tokenizer: send token ids", param="prompt")
+            ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        else:
+            ids = list(prompt)
+        request_id = request_id or f"req-{next(self._counter)}"
+        self._validate(request_id, ids, params, prompt_checked)
+        if adapter_id is not None:
+            self.adapters.request(adapter_id)  # raises UnknownAdapterError
+        seq = Sequence(request_id, ids, params, adapter_id)
+        seq.generator = make_generator(params.seed, self.device)
+        if method in ("ngram", "draft"):
+            seq.spec = SpecState(max_k=self.config.speculative_k, method=method)
+        self.requests[request_id] = seq
+        self.scheduler.add(seq)
+        return request_id
+
+    def _validate(self, request_id: str, ids: list[int], params: SamplingParams, prompt_checked: bool) -> None:
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+        if not prompt_checked:
+            self.check_prompt(ids)
+        total = min(len(ids) + params.max_new_tokens, self.max_model_len)
+        if self.block_manager.blocks_needed(total) > self.block_manager.num_blocks:
+            raise InvalidPromptError(
+                f"{total} tokens do not fit in the KV cache ({self.block_manager.num_blocks} "
+                f"blocks of {self.block_manager.block_size})"
+            )
+
+    def check_prompt(self, ids: list[int]) -> None:
+        """Every prompt's checks (add_request runs them; the HTTP API too, before it builds a request):
+        EmptyPromptError, PromptTooLongError (no token left to generate), InvalidTokenIdError."""
+        if not ids:
+            raise EmptyPromptError()
+        if len(ids) >= self.max_model_len:
+            raise PromptTooLongError(len(ids), self.max_model_len)
+        self.check_token_ids(ids)
+
+    def check_token_ids(self, ids: list[int]) -> None:
+        """InvalidTokenIdError naming the first id outside the model's vocabulary."""
+        vocab = self.runner.model.args.vocab_size
+        if ids and (min(ids) < 0 or max(ids) >= vocab):
+            raise InvalidTokenIdError(next(t for t in ids if not 0 <= t < vocab), vocab)
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now and free its blocks; its final output comes from the next step()."""
+        seq = self.requests.get(request_id)
+        if seq is None or seq.is_finished:
+            return False
+        self.scheduler.finish(seq, FinishReason.ABORT)
+        self._aborted.append(self._output(seq))
+        self._release(seq)
+        return True
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0 or bool(self._aborted)
+
+    # step
+    def step(self) -> list[RequestOutput]:
+        outputs, self._aborted = self._aborted, []
+        outputs += self.orchestrator.poll()
+        proposing, catching_up = self._propose()
+        plan = self.scheduler.schedule()
+        self.adapters.stats.hits["device"] += plan.slot_hits
+        outputs += self.orchestrator.load_slots(plan.slot_loads)
+        scheduled = [(s, n) for s, n in plan.scheduled if not s.is_finished]
+        start = time.perf_counter()
+        drafted = self._draft_proposals(scheduled, catching_up)
+        self.last_step_tokens = sum(n for _, n in scheduled)
+        if not scheduled:
+            self._drop_proposals(proposing)
+            if not outputs and self.scheduler.num_waiting:
+                self.adapters.wait_for_completion(0.01)  # only adapter loads can unblock the queue
+            return outputs
+        # the draft's cost model times decode-only steps; without a draft nothing is looked at
+        decoding = self.draft_policy is not None and all(s.num_computed_tokens == len(s) - 1 for s, _ in scheduled)
+        run_start = time.perf_counter()
+        samplers, tokens, logprobs = self.runner.run(scheduled)
+        end = time.perf_counter()
+        if decoding and self.draft_policy is not None:
+            self.draft_policy.record_step(end - run_start, drafted, sum(map(len, tokens)), end - start)
+        self.num_steps += 1
+        now = time.monotonic()
+        for seq, n in scheduled:
+            seq.first_scheduled_time = seq.first_scheduled_time or now
+            if not seq.proposed:  # a speculative sequence's computed tokens are known once verified
+                seq.num_computed_tokens += n
+                self.block_manager.commit(seq)
+        outputs += self._fail_nonfinite()
+        now = time.monotonic()
+        for seq, seq_tokens, seq_logprobs in zip(samplers, tokens, logprobs, strict=True):
+            seq.first_token_time = seq.first_token_time or now
+            if seq.proposed:
+                outputs += self._accept(seq, seq_tokens, seq_logprobs)
+            else:
+                outputs += self._append(seq, seq_tokens[0], seq_logprobs[0])
+        self._drop_proposals(proposing)
+        return outputs
+
+    def _append(self, seq: Sequence, token: int, logprob: float) -> list[RequestOutput]:
+        """One new token through the finish checks; its output."""
+        kept = [logprob] if seq.params.logprobs else []
+        seq.append_token(token, logprob if kept else None)
+        reason = self._check_finish(seq, token)
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+        out = self._output(seq, [token], kept)
+        if reason is not None:
+            self._release(seq)
+        return [out]
+
+    # speculative decoding
+    def _propose(self) -> tuple[list[Sequence], list[tuple[Sequence, int]]]:
+        """Proposals for the decoding sequences that speculate, while the step's tokens stay under
+        speculative_max_step_tokens (a larger step is compute-bound): prompt lookup's now; for the draft's,
+        k placeholders the scheduler fits to the step before the draft fills them (_draft_proposals), in the
+        steps where the draft pays (DraftPolicy). The sequences given some, and the draft sequences too far
+        behind to propose: (sequence, the position their catch-up reaches this step)."""
+        running = self.scheduler.running
+        if self.draft_policy is not None:
+            self.draft_policy.gated = None  # a step the gate does not decide is none of its measurements
+        if not any(s.spec is not None for s in running):
+            return [], []
+        num_tokens = min(sum(s.num_uncomputed_tokens for s in running), self.config.max_num_batched_tokens)
+        spare = spare_tokens(num_tokens, self.config.speculative_max_step_tokens)
+        draft_share, catch_up, retrying = 0, 0, False
+        if self.draft_policy is not None:
+            num_drafting = sum(
+                1 for s in running if s.spec and s.spec.method == "draft" and s.num_uncomputed_tokens == 1
+            )
+            draft_share, catch_up, retrying = self.draft_policy.plan(len(running), num_drafting, spare)
+        proposing: list[Sequence] = []
+        catching_up: list[tuple[Sequence, int]] = []
+        for seq in running:
+            if spare <= 0:
+                break
+            if seq.spec is None or seq.num_uncomputed_tokens != 1:
+                continue
+            max_len = self.max_model_len if seq.spec.method == "ngram" else self.draft_max_len
+            k = min(
+                spare,
+                cap_proposal(seq.spec.k, seq.num_output_tokens, seq.params.max_new_tokens, len(seq), max_len),
+            )
+            if seq.spec.method == "draft":
+                k = min(k, draft_share)
+            if k <= 0:
+                continue
+            if seq.spec.method == "ngram":
+                seq.spec.proposed = seq.spec.index.propose(seq.token_ids, k)
+            elif (lag := len(seq) - seq.spec.draft_computed) <= catch_up:
+                seq.spec.proposed = [0] * k  # placeholders until the draft runs
+                catch_up -= lag
+            elif catch_up > 0 and not retrying:  # a long catch-up (a prompt, a preemption) spread over steps
+                catching_up.append((seq, seq.spec.draft_computed + catch_up))
+                catch_up = 0
+            if seq.spec.proposed:
+                spare -= len(seq.spec.proposed)
+                proposing.append(seq)
+        drafting = [s for s in proposing if s.spec is not None and s.spec.method == "draft"]
+        if drafting:
+            assert self.draft is not None and self.draft_policy is not None
+            prior = self.draft_policy.acceptance
+            estimates = [(s.spec.acceptance(prior), len(s.spec.proposed)) for s in drafting if s.spec]
+            k = self.draft_policy.choose_k(estimates, len(running), self.draft.pass_seconds)
+            for seq in drafting:
+                assert seq.spec is not None
+                del seq.spec.proposed[k:]
+            if k == 0:  # nor catch-ups: the draft reads nothing in a step it does not propose in
+                proposing = [s for s in proposing if s not in drafting]
+                catching_up = []
+        return proposing, catching_up
+
+    def _draft_proposals(self, scheduled: list[tuple[Sequence, int]], catching_up: list[tuple[Sequence, int]]) -> bool:
+        """The draft model's tokens in place of the placeholders the scheduler kept (k each, in one batched
+        catch-up pass then k - 1 single-token passes), and the catch-ups of sequences too far behind. Whether
+        the draft ran."""
+        runs = [
+            DraftRun(seq, len(seq), len(seq.spec.proposed))
+            for seq, _ in scheduled
+            if seq.spec is not None and seq.spec.method == "draft" and seq.spec.proposed
+        ]
+        runs += [DraftRun(seq, end, 0) for seq, end in catching_up if seq.status == SequenceStatus.RUNNING]
+        if not runs:
+            return False
+        assert self.draft is not None
+        for run, tokens in zip(runs, self.draft.propose(runs), strict=True):
+            if run.k:
+                assert run.seq.spec is not None
+                run.seq.spec.proposed = tokens
+        return True
+
+    def _accept(self, seq: Sequence, tokens: list[int], logprobs: list[float]) -> list[RequestOutput]:
+        """A verified run: the accepted proposals and the model's own token, one by one through the finish
+        checks (a stop, EOS or max_tokens inside the run ends it there); the rejected tokens' blocks back."""
+        assert seq.spec is not None
+        # the draft's K/V holds after the last token only where its input was the token accepted there
+        seq.spec.draft_computed = min(seq.spec.draft_computed, len(seq) + len(tokens) - 1)
+        seq.spec.adapt(len(seq.spec.proposed), len(tokens) - 1)
+        if self.draft_policy is not None and seq.spec.method == "draft":
+            self.draft_policy.record_run(len(seq.spec.proposed), len(tokens) - 1)
+        self.spec_proposed_total += len(seq.spec.proposed)
+        self.spec_accepted_total += len(tokens) - 1
+        seq.spec.proposed = []
+        seq.num_computed_tokens += len(tokens)  # the last token and the accepted proposals now hold K/V
+        outputs: list[RequestOutput] = []
+        for token, logprob in zip(tokens, logprobs, strict=True):
+            outputs += self._append(seq, token, logprob)
+            if seq.is_finished:
+                return outputs
+        self.block_manager.commit(seq)
+        self.block_manager.trim(seq)
+        return outputs
+
+    @staticmethod
+    def _drop_proposals(seqs: list[Sequence]) -> None:
+        """Proposals not verified this step (the sequence was not scheduled) are dropped."""
+        for seq in seqs:
+            if seq.spec is not None:
+                seq.spec.proposed = []
+
+    def _check_finish(self, seq: Sequence, token: int) -> FinishReason | None:
+        p = seq.params
+        seq.detok.update(self.decode, seq.token_ids)
+        if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            return FinishReason.STOP
+        if p.stop and seq.detok.find_stop():
+            return FinishReason.STOP
+        if seq.num_output_tokens >= p.max_new_tokens or len(seq) >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _output(
+        self, seq: Sequence, delta_ids: list[int] | None = None, delta_logprobs: list[float] | None = None
+    ) -> RequestOutput:
+        """This step's deltas; the final output also the whole text, token ids and logprobs."""
+        finished, failure = seq.is_finished, seq.failure
+        out = RequestOutput(
+            request_id=seq.request_id,
+            prompt_token_ids=seq.prompt_token_ids,
+            delta_token_ids=delta_ids or [],
+            delta_text=seq.detok.delta(finished),
+            finished=finished,
+            finish_reason=seq.finish_reason.value if seq.finish_reason else None,
+            delta_logprobs=delta_logprobs or [],
+            num_cached_tokens=seq.num_cached_tokens,
+            adapter_id=seq.adapter_id,
+            error=None if failure is None else str(failure),
+            failure=failure,
+            arrival_time=seq.arrival_time,
+            first_scheduled_time=seq.first_scheduled_time,
+            first_token_time=seq.first_token_time,
+        )
+        if seq.spec is not None:
+            out.num_spec_proposed, out.num_spec_accepted = seq.spec.num_proposed, seq.spec.num_accepted
+            out.num_spec_steps = seq.spec.num_steps
+        if finished:
+            out.token_ids, out.text, out.logprobs = seq.output_token_ids, seq.detok.text, seq.logprobs
+        return out
+
+    def _release(self, seq: Sequence) -> None:
+        self.requests.pop(seq.request_id, None)
+
+    def _fail_nonfinite(self) -> list[RequestOutput]:
+        """Requests whose logits came out NaN or inf this step (the runner set them aside): each fails alone."""
+        return [
+            self._fail(
+                seq, RequestFailedError(f"the model produced NaN or infinite values for this request{_on_adapter(seq)}")
+            )
+            for seq in self.runner.take_nonfinite()
+        ]
+
+    def _fail(self, seq: Sequence, error: RequestFailedError) -> RequestOutput:
+        self.scheduler.finish(seq, FinishReason.ERROR)
+        seq.failure = error
+        out = self._output(seq)
+        self._release(seq)
+        return out
+
+    # adapters: the orchestrator does the work; these are the engine's public names for it
+    def poll_adapters(self) -> list[RequestOutput]:
+        """Apply finished background loads: fail the waiting requests of adapters that failed."""
+        return self.orchestrator.poll()
+
+    def prewarm(self, adapter_id: str, tier: str = "device", pinned: bool | None = None) -> None:
+        """Move an adapter up to `tier` (device | host | disk) in the background; optionally pin it
+        (PinLimitError beyond max_loras - 1 pins). See AdapterOrchestrator.prewarm."""
+        self.orchestrator.prewarm(adapter_id, tier, pinned)
+
+    def unload(self, adapter_id: str) -> bool:
+        """Forget an adapter on every tier. Refused (AdapterInUseError) while requests use or await it."""
+        return self.orchestrator.unload(adapter_id)
+
+    def set_tier(self, adapter_id: str, tier: str) -> dict:
+        """Move a known adapter to exactly `tier` (device | host | disk); its residency row.
+        See AdapterOrchestrator.set_tier."""
+        return self.orchestrator.set_tier(adapter_id, tier)
+
+    def adapter_residency(self) -> list[dict]:
+        """Every known adapter: tier, state, size, rank, errors, hits."""
+        return self.orchestrator.residency()
+
+    def decode(self, token_ids: list[int]) -> str:
+        return "" if self.tokenizer is None else self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    # blocking API
+    def generate(
+        self,
+        prompts: list[str] | list[list[int]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run prompts to completion (alongside anything already queued); outputs in prompt order."""
+        plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        prompt_list: list[str | list[int]] = list(prompts)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompt_list, plist, strict=True)]
+        done: dict[str, RequestOutput] = {}
+        while len(done) < len(ids):
+            for out in self.step():
+                if out.finished:
+                    done[out.request_id] = out
+        return [done[i] for i in ids]
+
+
+def _on_adapter(seq: Sequence) -> str:
+    return "" if seq.adapter_id is None else f" on adapter {seq.adapter_id!r} (numerically unstable weights)"
+
+
+def _load_tokenizer(model_dir: Path):  # noqa: ANN202 - a transformers tokenizer, or None
+    """The model's tokenizer; None for a directory without one (token-id prompts only)."""
+    from transformers import AutoTokenizer
+
+    if not any((model_dir / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+        return None
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+def _eos_ids(model_dir: Path, hf_config: dict) -> set[int]:
+    ids: set[int] = set()
+    sources = [hf_config]
+    gen = model_dir / "generation_config.json"
+    if gen.is_file():
+        sources.append(json.loads(gen.read_text()))
+    for src in sources:
+        eos = src.get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    return ids

@@ -1,0 +1,124 @@
+"""The supported architectures: model_type -> how its config is read and which model class serves it; the
+context a model can be served at exactly.
+
+A config.json is first normalized by transformers' own config class for its model_type (legacy rope keys,
+layer_types, Qwen's use_sliding_window), so each family reads one current form. A multimodal model (Gemma 3
+4B and up) is served as its language model: normalized() is then the language model's config.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from loraplane_server.executor.layers.rotary import rope_kind
+from loraplane_server.executor.models.args import ModelArgs
+from loraplane_server.executor.models.gemma3 import Gemma3ForCausalLM, gemma3_args, gemma3_language_model
+from loraplane_server.executor.models.llama import LlamaForCausalLM
+from loraplane_server.executor.models.phi3 import phi3_args
+from loraplane_server.executor.models.qwen3 import Qwen3ForCausalLM
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Family:
+    architectures: tuple[str, ...]
+    parse: Callable[[dict], ModelArgs]
+    model_class: type[LlamaForCausalLM]
+    # a multimodal model's normalized config -> its language model's, which is served alone; None: a text model
+    language_model: Callable[[dict], dict] | None = None
+
+
+FAMILIES: dict[str, Family] = {
+    "llama": Family(("LlamaForCausalLM",), ModelArgs.from_hf_config, LlamaForCausalLM),
+    "mistral": Family(("MistralForCausalLM",), ModelArgs.from_hf_config, LlamaForCausalLM),
+    "qwen2": Family(("Qwen2ForCausalLM",), ModelArgs.from_hf_config, LlamaForCausalLM),
+    "qwen3": Family(("Qwen3ForCausalLM",), ModelArgs.from_hf_config, Qwen3ForCausalLM),
+    "phi3": Family(("Phi3ForCausalLM",), phi3_args, LlamaForCausalLM),
+    "gemma3_text": Family(("Gemma3ForCausalLM",), gemma3_args, Gemma3ForCausalLM),
+    "gemma3": Family(("Gemma3ForConditionalGeneration",), gemma3_args, Gemma3ForCausalLM, gemma3_language_model),
+}
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint's architecture is not one the engine implements; the message lists those it does."""
+
+
+def supported() -> str:
+    return ", ".join(
+        f"{name} ({', '.join(f.architectures)}{', text only' if f.language_model else ''})"
+        for name, f in FAMILIES.items()
+    )
+
+
+def family_of(cfg: dict) -> Family:
+    model_type, archs = cfg.get("model_type"), cfg.get("architectures") or []
+    family = FAMILIES.get(model_type) if isinstance(model_type, str) else None
+    if family is None or (archs and not set(archs) & set(family.architectures)):
+        named = f"model_type {model_type!r}" + (f" (architectures {', '.join(map(str, archs))})" if archs else "")
+        raise UnsupportedModelError(f"{named} is not supported; supported model types: {supported()}")
+    return family
+
+
+def normalized(cfg: dict) -> dict:
+    """cfg through transformers' config class for its (supported) model_type; a multimodal model's: the
+    language model's config."""
+    from huggingface_hub.errors import StrictDataclassError
+    from transformers import CONFIG_MAPPING
+
+    family = family_of(cfg)
+    try:
+        norm = CONFIG_MAPPING[cfg["model_type"]].from_dict(cfg).to_dict()
+    except (StrictDataclassError, ValueError, TypeError, KeyError) as exc:  # transformers' own validation
+        cause = str(exc.__cause__ or exc).strip().splitlines()[-1]
+        raise ValueError(f"config.json is not a valid {cfg['model_type']} config: {cause}") from None
+    return norm if family.language_model is None else family.language_model(norm)
+
+
+def model_args(cfg: dict) -> ModelArgs:
+    args = family_of(cfg).parse(normalized(cfg))
+    layer_types = getattr(args, "layer_types", None)
+    if layer_types is not None and len(layer_types) != args.num_layers:
+        raise ValueError(f"layer_types lists {len(layer_types)} layers; the model has {args.num_layers}")
+    return args
+
+
+def build(args: ModelArgs, max_positions: int) -> LlamaForCausalLM:
+    return FAMILIES[args.model_type].model_class(args, max_positions)  # type: ignore[arg-type]
+
+
+def sliding_window(cfg: dict) -> int | None:
+    """The attention window of a normalized config, when some layer has one (Mistral, Phi-3: every layer;
+    Qwen2/3: layer_types from use_sliding_window and max_window_layers; Gemma 3: its local layers)."""
+    window = cfg.get("sliding_window")
+    layer_types = cfg.get("layer_types")
+    if not window or (layer_types is not None and "sliding_attention" not in layer_types):
+        return None
+    return int(window)
+
+
+def max_context(cfg: dict) -> int:
+    """The longest sequence this engine serves the model at exactly, logged where it is shorter than the
+    model's own context. The paged attention has no window, so a sliding-window model runs up to its window
+    (where full attention is the same computation); LongRoPE up to original_max_position_embeddings (where
+    transformers, too, uses the short factors)."""
+    norm = normalized(cfg)
+    limit = int(norm.get("max_position_embeddings") or 4096)
+    caps = {"the sliding attention window": sliding_window(norm)}
+    rope = norm.get("rope_parameters") or {}
+    if rope_kind(rope) == "longrope":
+        caps["LongRoPE's original_max_position_embeddings"] = rope.get("original_max_position_embeddings")
+    for why, cap in caps.items():
+        if cap and cap < limit:
+            log.warning(
+                "%s: serving at most %d tokens of context, %s (the model's max_position_embeddings is %s); "
+                "beyond it the engine would not compute what the model does",
+                cfg["model_type"],
+                cap,
+                why,
+                norm.get("max_position_embeddings"),
+            )
+            limit = int(cap)
+    return limit

@@ -1,1 +1,0 @@
-"""Adapters: PEFT loading and validation, tiered cache, device slots, batched LoRA compute."""

@@ -1,0 +1,5 @@
+"""Speculative decoding: the policy (policy.py: prompt lookup's n-gram index, each sequence's k, the draft's
+gate and plan) and the draft model (draft.py). Verification is sampling and lives in executor/verifier.py.
+
+May import: executor, kernels, platforms.
+"""

@@ -1,0 +1,27 @@
+"""The model cache: a --model URI -> a local model directory, verified and ready to load.
+
+Kinds (parsed by sources/, which adapters share): a built-in name (converted once from its GGUF), a local
+directory (used in place), a local .gguf file (dequantized once), hf://org/repo[@revision][/subfolder] and
+s3://bucket/prefix. Whatever is downloaded or converted lives under one cache directory:
+
+    <cache>/<built-in name>/            converted built-in models
+    <cache>/gguf/<stem>-<key>/          converted GGUF files (key: absolute path, size, mtime)
+    <cache>/hub/                        huggingface_hub's own cache layout
+    <cache>/s3/<bucket>/<prefix>/       S3 models (the prefix quoted into one path component), with a manifest
+
+Every entry appears atomically (a directory renamed into place), so a half-written model is never loaded,
+and a file lock per entry makes a second process on a shared volume wait ("waiting") for the first one's
+download rather than race it. Before a model is used its files are verified (see `verify`), under that lock;
+a cached entry that fails is discarded (with a warning) and fetched or converted once more.
+
+Modules: resolver (the entry point; built-ins, directories, .gguf), entry (lock, verification), hf, s3 (one
+kind each), progress (`Progress` for /ready). A test that patches a name patches it in the module that looks
+it up, not here.
+"""
+
+from loraplane_server.store.models.entry import verify
+from loraplane_server.store.models.progress import Progress, StartupListener
+from loraplane_server.store.models.resolver import default_cache_dir, resolve, resolve_model
+from loraplane_server.store.models.s3 import MANIFEST
+
+__all__ = ["MANIFEST", "Progress", "StartupListener", "default_cache_dir", "resolve", "resolve_model", "verify"]
