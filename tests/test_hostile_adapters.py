@@ -217,7 +217,7 @@ def test_a_poisoned_slot_never_reaches_other_rows(
         pytest.importorskip("triton")
     dtype = spec["dtype"]
     model = load_model(tiny_llama_dir, dtype, torch.device("cpu"), 64)
-    slots = LoRASlots(model, 2, 8, dtype, torch.device("cpu"), packed=spec["packed"])
+    slots = LoRASlots(model.lora_shapes(), model.args.num_layers, 2, 8, dtype, torch.device("cpu"), spec["packed"])
     for slot, adapter in enumerate(same_rank_adapters):
         slots.load(slot, load_lora(adapter, adapter.name, model.args, 8, dtype))
     none = slots.none_slot

@@ -12,8 +12,9 @@ The packages follow a request's path, top to bottom; each may import only the pa
     kernels/    the compiled kernels: C++ for the CPU (csrc/) and its loader, Triton for CUDA
     platforms/  the machine: CPU features, torch threads, the CUDA device and its memory, the user cache
 
-The modules at this level are the vocabulary every stage shares and may import from anywhere: `config`
+The modules at this level are the vocabulary every stage shares, which any package may import: `config`
 (EngineConfig), `errors`, `sampling_params`, `sequence` (a request's state), `detokenizer` and
-`request_output`. They import only each other, and `spec.policy` (a sequence's speculation state, a
-module that imports nothing).
+`request_output`. They import each other and, of the packages, only a sequence's speculation state:
+
+May import: spec.policy.
 """

@@ -4,8 +4,8 @@ residency report. The engine calls it between steps; requests that cannot run fa
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Protocol
 
 from loraplane_server.adapters.manager import AdapterManager, AdapterState
 from loraplane_server.adapters.slot_table import SlotTable
@@ -20,11 +20,23 @@ from loraplane_server.errors import (
 from loraplane_server.request_output import RequestOutput
 
 if TYPE_CHECKING:
-    from loraplane_server.engine.scheduler import Scheduler
     from loraplane_server.executor.lora.slots import LoRASlots
     from loraplane_server.sequence import Sequence
 
 Fail = Callable[["Sequence", RequestFailedError], RequestOutput]
+
+
+class Queues(Protocol):
+    """The scheduler as the orchestrator sees it (engine/scheduler.py): its running sequences, the adapters
+    with waiting requests (`rr`, None for the base model) and their requests taken out."""
+
+    @property
+    def running(self) -> list[Sequence]: ...
+
+    @property
+    def rr(self) -> Iterable[str | None]: ...
+
+    def take_waiting(self, adapter_id: str) -> list[Sequence]: ...
 
 
 class AdapterOrchestrator:
@@ -33,7 +45,7 @@ class AdapterOrchestrator:
         adapters: AdapterManager,
         slots: SlotTable,
         lora_slots: LoRASlots,
-        scheduler: Scheduler,
+        scheduler: Queues,
         requests: Mapping[str, Sequence],
         fail: Fail,
     ) -> None:

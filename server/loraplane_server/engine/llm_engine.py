@@ -32,8 +32,6 @@ from loraplane_server.errors import (
     RequestFailedError,
 )
 from loraplane_server.executor.backends import resolve_backends
-from loraplane_server.executor.cuda_graphs import DecodeGraphs
-from loraplane_server.executor.lora.slots import LoRASlots
 from loraplane_server.executor.memory_profile import measure_peak_step, profile_blocks, profile_chunks, profile_step
 from loraplane_server.executor.model_runner import ModelRunner, kv_block_bytes
 from loraplane_server.executor.models.args import ModelArgs
@@ -130,8 +128,8 @@ class LLMEngine:
         self.attention_backend = self.backends.attention.name
         self.layer_backend = self.backends.layer_backend
         self.lora_backend = self.backends.lora
-        self.lora_slots = LoRASlots(
-            model, config.max_loras, config.max_lora_rank, self.dtype, self.device, self.lora_backend.packed_slots
+        self.lora_slots = self.lora_backend.make_slots(
+            model.lora_shapes(), model.args.num_layers, config.max_loras, config.max_lora_rank, self.dtype
         )
         self.memory_plan: MemoryPlan | None = None
         if gpu_free is not None and config.num_kv_blocks is None and config.kv_cache_bytes is None:
@@ -165,9 +163,7 @@ class LLMEngine:
         )
         if graphs is not None:
             phase("capturing CUDA graphs" if graphs == "capture" else "decode graph buffers")
-            self.runner.graphs = DecodeGraphs(self.runner, config.max_num_seqs, self.max_model_len, num_blocks)
-            if graphs == "capture":
-                self.runner.graphs.capture()
+            self.runner.use_graphs(config.max_num_seqs, self.max_model_len, capture=graphs == "capture")
         self.draft: DraftModel | None = None
         self.draft_policy: DraftPolicy | None = None
         if draft_dir is not None and draft_weights is not None:

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE
 
     from loraplane_server.executor.lora.slots import LoRASlots
-    from loraplane_server.executor.model_runner import ModelRunner
+    from loraplane_server.executor.models.llama import LlamaForCausalLM
     from loraplane_server.sequence import Sequence
 
 log = logging.getLogger("loraplane.cuda_graphs")
@@ -74,13 +74,22 @@ class GraphLoRABatch(TritonLoRABatch):
 class DecodeGraphs:
     """The static buffers, the captured graphs (or, without capture, their eager twin) and a step's replay."""
 
-    def __init__(self, runner: ModelRunner, max_num_seqs: int, max_model_len: int, scratch_block: int) -> None:
-        self.runner = runner
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_caches: torch.Tensor,
+        lora_slots: LoRASlots | None,
+        block_size: int,
+        max_num_seqs: int,
+        max_model_len: int,
+    ) -> None:
+        """The model runner's model, KV cache (its last block the scratch block) and LoRA slots."""
+        self.model, self.kv_caches, self.lora_slots, self.block_size = model, kv_caches, lora_slots, block_size
+        self.device = device = kv_caches.device
         self.sizes = graph_batch_sizes(max_num_seqs)
-        self.scratch_slot = scratch_block * runner.block_size  # padding rows' K/V land here, owned by no sequence
-        self.scratch_block = scratch_block
-        rows, width = self.sizes[-1], -(-max_model_len // runner.block_size)
-        device = runner.device
+        self.scratch_block = scratch_block = kv_caches.shape[2] - 1
+        self.scratch_slot = scratch_block * block_size  # padding rows' K/V land here, owned by no sequence
+        rows, width = self.sizes[-1], -(-max_model_len // block_size)
         self.buffers = {  # [rows] (tables [rows, width]), int64 on the device
             "ids": torch.zeros(rows, dtype=torch.int64, device=device),
             "positions": torch.zeros(rows, dtype=torch.int64, device=device),
@@ -98,7 +107,7 @@ class DecodeGraphs:
         self.views = {k: t.numpy() for k, t in self.staging.items()}  # the same memory, for _fill
         self.ranks: dict[str, torch.Tensor] = {}
         self._ranks_key: tuple = ()
-        slots = runner.lora_slots
+        slots = lora_slots
         if slots is not None:
             self.ranks = {k: torch.zeros(slots.num_slots + 1, dtype=torch.int32, device=device) for k in slots.layouts}
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
@@ -124,22 +133,22 @@ class DecodeGraphs:
             decode_block_tables=b["tables"][:rows],
             decode_context_lens=b["lens"][:rows],
         )
-        if lora and self.runner.lora_slots is not None:
-            batch.lora = GraphLoRABatch(self.runner.lora_slots, b["lora"][:rows], self.ranks)
+        if lora and self.lora_slots is not None:
+            batch.lora = GraphLoRABatch(self.lora_slots, b["lora"][:rows], self.ranks)
         return batch
 
     def _forward(self, rows: int, lora: bool) -> torch.Tensor:
-        return self.runner.model(self.buffers["ids"][:rows], self.runner.kv_caches, self._batch(rows, lora))
+        return self.model(self.buffers["ids"][:rows], self.kv_caches, self._batch(rows, lora))
 
     def capture(self) -> None:
         """One graph per bucket and LoRA variant, largest first (the smaller ones reuse its memory pool), each
         after an eager warm-up (Triton compiles then, never inside a capture)."""
         start = time.monotonic()
-        before = torch.cuda.memory_reserved(self.runner.device)
+        before = torch.cuda.memory_reserved(self.device)
         self._pad_from(0)
-        variants = [False, True] if self.runner.lora_slots is not None else [False]
-        stream = torch.cuda.Stream(self.runner.device)
-        stream.wait_stream(torch.cuda.current_stream(self.runner.device))
+        variants = [False, True] if self.lora_slots is not None else [False]
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.inference_mode(), torch.cuda.stream(stream):
             for rows in reversed(self.sizes):
                 for lora in variants:
@@ -149,14 +158,14 @@ class DecodeGraphs:
                         out = self._forward(rows, lora)
                     self.pool = graph.pool()
                     self.graphs[(rows, lora)], self.outputs[(rows, lora)] = graph, out
-        torch.cuda.current_stream(self.runner.device).wait_stream(stream)
-        torch.cuda.synchronize(self.runner.device)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        torch.cuda.synchronize(self.device)
         log.info(
             "CUDA graphs: %d decode graphs (batch sizes %s, with and without LoRA) in %.1f s, %.0f MiB",
             len(self.graphs),
             ",".join(map(str, self.sizes)),
             time.monotonic() - start,
-            (torch.cuda.memory_reserved(self.runner.device) - before) / 2**20,
+            (torch.cuda.memory_reserved(self.device) - before) / 2**20,
         )
 
     def describe(self) -> str:
@@ -186,7 +195,7 @@ class DecodeGraphs:
     def _fill(self, seqs: list[Sequence]) -> bool:
         """The rows' inputs into the host staging buffers, a list per buffer through their numpy views (no torch
         call per row); whether some row has an adapter."""
-        v, bs, n = self.views, self.runner.block_size, len(seqs)
+        v, bs, n = self.views, self.block_size, len(seqs)
         last = [len(seq) - 1 for seq in seqs]
         v["ids"][:n] = [seq.token_ids[-1] for seq in seqs]
         v["positions"][:n] = last
@@ -194,7 +203,7 @@ class DecodeGraphs:
         v["lens"][:n] = [p + 1 for p in last]
         for i, seq in enumerate(seqs):
             v["tables"][i, : len(seq.block_table)] = seq.block_table
-        with_slots = self.runner.lora_slots is not None
+        with_slots = self.lora_slots is not None
         slots = [seq.lora_slot if with_slots and seq.lora_slot is not None else -1 for seq in seqs]
         v["lora"][:n] = slots
         return any(slot >= 0 for slot in slots)
@@ -214,7 +223,7 @@ class DecodeGraphs:
 
     def _refresh_ranks(self) -> None:
         """The slots' ranks per layer kind into the static buffer, when an adapter came or went."""
-        slots = self.runner.lora_slots
+        slots = self.lora_slots
         assert slots is not None
         key = tuple(tuple(sorted(w.items())) for w in slots.widths)
         if key == self._ranks_key:

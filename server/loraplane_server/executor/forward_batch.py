@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from loraplane_server.executor.lora.backends import LoRABatch
+    from loraplane_server.executor.lora.backends.base import LoRABatch
 
 
 @dataclass

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from loraplane_server.executor.backends import Backends
+from loraplane_server.executor.cuda_graphs import DecodeGraphs
 from loraplane_server.executor.forward_batch import ForwardBatch, PrefillChunk
 from loraplane_server.executor.lora.backends import LoRABatch, TritonBackend
 from loraplane_server.executor.lora.slots import LoRASlots
@@ -15,9 +14,6 @@ from loraplane_server.executor.models.llama import LlamaForCausalLM
 from loraplane_server.executor.sampler import Sampler
 from loraplane_server.executor.verifier import verify
 from loraplane_server.sequence import Sequence
-
-if TYPE_CHECKING:
-    from loraplane_server.executor.cuda_graphs import DecodeGraphs
 
 
 def kv_block_bytes(args: ModelArgs, block_size: int, dtype: torch.dtype) -> int:
@@ -63,6 +59,16 @@ class ModelRunner:
         """The backends resolved once at engine start (backends.py), handed to the model's layers too."""
         self.backends = backends
         self.model.use_backends(backends)
+
+    def use_graphs(self, max_num_seqs: int, max_model_len: int, capture: bool) -> DecodeGraphs:
+        """Plain decode steps through static buffers from now on, captured as CUDA graphs with `capture` (the
+        runner was made with its scratch block)."""
+        self.graphs = DecodeGraphs(
+            self.model, self.kv_caches, self.lora_slots, self.block_size, max_num_seqs, max_model_len
+        )
+        if capture:
+            self.graphs.capture()
+        return self.graphs
 
     @property
     def use_triton(self) -> bool:

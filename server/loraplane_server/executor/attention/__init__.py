@@ -1,4 +1,7 @@
-"""Attention backends (base.py), one module per implementation; `resolve` picks one once at engine start."""
+"""Attention backends (base.py), one module per implementation; `resolve` picks one once at engine start.
+
+May import: executor.forward_batch, kernels.
+"""
 
 from __future__ import annotations
 

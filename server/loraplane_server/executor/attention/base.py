@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 
 class AttentionBackend(ABC):
     name: str  # the attention_backend config value that selects it
+    cpu_kernels = False  # attends with the CPU kernels, as the fused CPU decoder layer does (models/llama.py)
 
     def __init__(self, kernel_kv_write: bool = False) -> None:
         """kernel_kv_write: write_kv through the CPU kernel's row copy, the same bits as index_copy_ (slow on

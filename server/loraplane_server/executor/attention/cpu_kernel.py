@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 
 class CPUKernelAttention(TorchAttention):
     name = "cpu_kernel"
+    cpu_kernels = True
 
     def prepare(self, batch: ForwardBatch, block_size: int) -> None:
         pass  # the kernel reads each row's context length: no mask

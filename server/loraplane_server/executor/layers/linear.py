@@ -14,6 +14,7 @@ from torch import nn
 
 from loraplane_server.executor.forward_batch import ForwardBatch
 from loraplane_server.executor.layers.quant import quantize_int8, torch_int8_linear
+from loraplane_server.executor.lora.layout import LayerShape
 from loraplane_server.kernels import cpu_kernels
 
 
@@ -71,6 +72,10 @@ class ProjectionLinear(nn.Module):
     @property
     def int8(self) -> bool:
         return self.weight.dtype == torch.int8
+
+    def lora_shape(self) -> LayerShape:
+        """This layer as the LoRA slots lay it out (executor/lora/layout.py)."""
+        return LayerShape(self.kind, self.in_features, dict(self.slices))
 
     def quantize_int8(self) -> None:
         """The weight as int8 with a scale per output channel (executor/layers/quant.py), once, after loading; the

@@ -16,17 +16,21 @@ A decode row then reads its adapter in one ~30 KB run (q and v at rank 8) instea
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 
-from loraplane_server.adapters.weights import LoRAWeights
-from loraplane_server.executor.layers.linear import ProjectionLinear
-from loraplane_server.executor.models.llama import LlamaForCausalLM
+from loraplane_server.executor.lora.layout import AdapterTensors, LayerShape
 
 
 class LoRASlots:
+    """The slots of every merged layer kind in `shapes` (one per kind, the same in each of `num_layers`
+    layers); the LoRA backend chooses the layout (its `make_slots`: dense, or packed for the CPU kernel)."""
+
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        shapes: Iterable[LayerShape],
+        num_layers: int,
         num_slots: int,
         max_rank: int,
         dtype: torch.dtype,
@@ -36,11 +40,7 @@ class LoRASlots:
         self.num_slots = num_slots
         self.none_slot = num_slots
         self.max_rank = max_rank
-        self.layouts: dict[str, ProjectionLinear] = {}
-        for module in model.modules():
-            if isinstance(module, ProjectionLinear) and module.layer_idx == 0:
-                self.layouts[module.kind] = module
-        num_layers = model.args.num_layers
+        self.layouts: dict[str, LayerShape] = {shape.kind: shape for shape in shapes}
         self.a: dict[str, torch.Tensor] = {}
         self.b: dict[str, torch.Tensor] = {}
         self.bt: dict[str, torch.Tensor] = {}
@@ -87,7 +87,7 @@ class LoRASlots:
                 return kind, lin.names.index(module)
         raise KeyError(module)
 
-    def load(self, slot: int, weights: LoRAWeights) -> None:
+    def load(self, slot: int, weights: AdapterTensors) -> None:
         """Copy an adapter's weights into slot (replacing whatever was there)."""
         self.clear(slot)
         r = weights.rank
@@ -104,7 +104,7 @@ class LoRASlots:
             self._pack(slot, weights)
         self.adapter_in[slot] = weights.adapter_id
 
-    def _pack(self, slot: int, weights: LoRAWeights) -> None:
+    def _pack(self, slot: int, weights: AdapterTensors) -> None:
         """The packed copy: per (kind, layer), the targeted projections in order, A_p then B_p^T."""
         assert self.packed is not None
         targets: dict[tuple[str, int], list[tuple[int, torch.Tensor, torch.Tensor]]] = {}

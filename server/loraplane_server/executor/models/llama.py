@@ -14,12 +14,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loraplane_server.executor.attention import AttentionBackend, CPUKernelAttention, TorchAttention
+from loraplane_server.executor.attention import AttentionBackend, TorchAttention
 from loraplane_server.executor.forward_batch import ForwardBatch
 from loraplane_server.executor.layers.linear import ProjectionLinear, base_linear
 from loraplane_server.executor.layers.norm import RMSNorm
 from loraplane_server.executor.layers.rotary import RotaryEmbedding, apply_rotary, rope_attention_scaling
-from loraplane_server.executor.lora.backends.cpu_kernel import CPUKernelLoRABatch
+from loraplane_server.executor.lora.backends.base import LoRABatch
+from loraplane_server.executor.lora.layout import LayerShape
 from loraplane_server.executor.models.args import ModelArgs
 from loraplane_server.kernels import cpu_kernels
 
@@ -108,7 +109,7 @@ class FusedStep:
     last_step: list[torch.Tensor | None]  # step + the logits rows and their LoRA slots where the step prunes
     chunk_tables: list[torch.Tensor]
     chunks: list[int]  # (query_start, tokens, context) per prefill chunk
-    lora: CPUKernelLoRABatch | None
+    lora: LoRABatch | None
     skip_slot: int
     last_layer: int
 
@@ -171,7 +172,7 @@ class DecoderLayer(nn.Module):
         where the step prunes to them, as forward() with `rows`."""
         assert self.fused_weights is not None, "gather_fused_weights first"
         lora: list[torch.Tensor | None] = (
-            f.lora.layer_args(self.self_attn.layer_idx) if f.lora is not None else [None] * 12
+            f.lora.fused_layer_args(self.self_attn.layer_idx) if f.lora is not None else [None] * 12
         )
         last = self.self_attn.layer_idx == f.last_layer
         return cpu_kernels.decoder_layer(
@@ -230,7 +231,7 @@ class LlamaForCausalLM(nn.Module):
         self.fused_layers = (
             backends.fuse_layers
             and backends.layer_kernels
-            and isinstance(backends.attention, CPUKernelAttention)  # the fused layer attends with those kernels
+            and backends.attention.cpu_kernels  # the fused layer attends with those kernels
             and self.can_fuse_layers
             and self.args.is_llama_shaped
         )
@@ -290,22 +291,27 @@ class LlamaForCausalLM(nn.Module):
         """The step's arguments to cpu_kernels.decoder_layer, or None where the fused layer does not
         apply (the Python layers then run the same kernels one by one)."""
         lora = batch.lora
-        if lora is not None and not isinstance(lora, CPUKernelLoRABatch):  # the kernel reads packed slots only
+        row_slots = lora.fused_row_slots() if lora is not None else None
+        if lora is not None and row_slots is None:  # the backend's slots are not what the fused layer reads
             return None
         if batch.prefills and not cpu_kernels.prefill_kernel_applies_to(torch.bfloat16, self.args.head_dim):
             return None
-        row_slots = lora.row_slots if lora is not None else None
         step = [*cos_sin, batch.slot_mapping, batch.decode_block_tables, batch.decode_context_lens, row_slots]
         last_step = [*step, None, None]
         if batch.prunes_last_layer:
             rows_lora = batch.logits_lora
-            if rows_lora is not None and not isinstance(rows_lora, CPUKernelLoRABatch):
+            rows_slots = rows_lora.fused_row_slots() if rows_lora is not None else None
+            if rows_lora is not None and rows_slots is None:
                 return None
-            last_step[6:] = [batch.logits_indices, rows_lora.row_slots if rows_lora is not None else None]
+            last_step[6:] = [batch.logits_indices, rows_slots]
         tables = [c.block_table for c in batch.prefills]
         chunks = [n for c in batch.prefills for n in (c.query_start, c.num_query_tokens, c.num_context_tokens)]
         skip = lora.slots.none_slot if lora is not None else -1
         return FusedStep([*step, None, None], last_step, tables, chunks, lora, skip, len(self.layers) - 1)
+
+    def lora_shapes(self) -> list[LayerShape]:
+        """Each merged projection layer's shape, as the LoRA slots lay them out (the same in every layer)."""
+        return [m.lora_shape() for m in self.modules() if isinstance(m, ProjectionLinear) and m.layer_idx == 0]
 
     def projection(self, layer: int, name: str) -> ProjectionLinear:
         """The ProjectionLinear holding target module `name` of layer `layer`."""

@@ -2,4 +2,6 @@
 
 `app.py`: `create_app(ServerConfig)` builds the FastAPI app; `serve(ServerConfig)` runs it under uvicorn with a
 graceful SIGTERM drain. One module per API (openai.py, lorax.py, admin.py, health.py); module map: docs/structure.md.
+
+May import: serving.bounded_labels, engine, spec, adapters, store, executor, kernels, platforms.
 """

@@ -17,6 +17,8 @@ a cached entry that fails is discarded (with a warning) and fetched or converted
 Modules: resolver (the entry point; built-ins, directories, .gguf), entry (lock, verification), hf, s3 (one
 kind each), progress (`Progress` for /ready). A test that patches a name patches it in the module that looks
 it up, not here.
+
+May import: store.gguf_models, store.sources, executor.models, platforms.
 """
 
 from loraplane_server.store.models.entry import verify

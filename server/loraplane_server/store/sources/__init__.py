@@ -14,6 +14,8 @@ An http(s) source follows at most MAX_REDIRECTS redirects, each checked against 
 Modules: base (Source, errors, FileSet), parse (URIs, allowlist), budget (the byte budget and counted copies),
 adapter_fetch (`fetch`), hf, s3, http (one kind each), archive (unpacking). A test that patches a name
 patches it in the module that looks it up, not here.
+
+May import: nothing but the shared vocabulary.
 """
 
 from loraplane_server.store.sources.adapter_fetch import fetch

@@ -1,4 +1,7 @@
-"""LoRA backends (base.py), one module per implementation; `resolve` picks one once at engine start."""
+"""LoRA backends (base.py), one module per implementation; `resolve` picks one once at engine start.
+
+May import: executor.lora.layout, executor.lora.slots, kernels.
+"""
 
 from __future__ import annotations
 

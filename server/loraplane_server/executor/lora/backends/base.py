@@ -9,13 +9,11 @@ stays its own).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from loraplane_server.executor.layers.linear import ProjectionLinear
-    from loraplane_server.executor.lora.slots import LoRASlots
+from loraplane_server.executor.lora.layout import LayerShape, LoRALayer
+from loraplane_server.executor.lora.slots import LoRASlots
 
 
 class LoRABatch(ABC):
@@ -30,22 +28,38 @@ class LoRABatch(ABC):
     def is_empty(self) -> bool:
         return not self.kinds
 
-    def targets(self, layer: ProjectionLinear) -> bool:
+    def targets(self, layer: LoRALayer) -> bool:
         """Whether some adapter of this step adds a delta to `layer`'s output."""
         return layer.kind in self.kinds
 
+    def fused_row_slots(self) -> torch.Tensor | None:
+        """Each row's slot as the fused CPU decoder layer (cpu_kernels.decoder_layer) takes it; None where this
+        backend's slots are not the layout it reads (the Python layers then run the step)."""
+        return None
+
+    def fused_layer_args(self, layer_idx: int) -> list[torch.Tensor | None]:
+        """The fused CPU decoder layer's LoRA arguments for layer `layer_idx` (only where fused_row_slots is
+        not None)."""
+        raise NotImplementedError(f"{type(self).__name__} does not feed the fused CPU decoder layer")
+
     @abstractmethod
-    def apply(self, layer: ProjectionLinear, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    def apply(self, layer: LoRALayer, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """out [T, out] += the LoRA delta (shrink by A, expand by B) of every row's adapter for this
         merged layer; returns out."""
 
 
 class LoRABackend(ABC):
     name: str  # the lora_backend config value (or layer backend) that selects it
-    packed_slots: bool = False  # whether LoRASlots must hold the CPU kernel's packed layout
+    packed_slots: bool = False  # whether its slots hold the CPU kernel's packed layout, not the dense one
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+
+    def make_slots(
+        self, shapes: list[LayerShape], num_layers: int, num_slots: int, max_rank: int, dtype: torch.dtype
+    ) -> LoRASlots:
+        """The device slots in the layout this backend reads, from the model's merged layer shapes."""
+        return LoRASlots(shapes, num_layers, num_slots, max_rank, dtype, self.device, self.packed_slots)
 
     @abstractmethod
     def prepare(

@@ -1,7 +1,7 @@
 """The CPU kernel LoRA backend (bf16, packed slots): one call per layer covers every row of the step,
 decode and prefill alike. csrc/lora_cpu.cpp (`bgmv_packed_`) reads each row's slot in place from its
 one contiguous run per layer (executor/lora/slots.py) and multiplies each targeted projection's A and B; the
-fused decoder layer (executor/models/llama.py) takes the same arguments through `layer_args`."""
+fused decoder layer (executor/models/llama.py) takes the same arguments through `fused_layer_args`."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from loraplane_server.executor.lora.backends.base import LoRABackend, LoRABatch
 from loraplane_server.kernels import cpu_kernels
 
 if TYPE_CHECKING:
-    from loraplane_server.executor.layers.linear import ProjectionLinear
+    from loraplane_server.executor.lora.layout import LoRALayer
     from loraplane_server.executor.lora.slots import LoRASlots
 
 
@@ -32,7 +32,10 @@ class CPUKernelLoRABatch(LoRABatch):
             rows[start:end] = [slot] * (end - start)
         self.row_slots = torch.tensor(rows, dtype=torch.int64)  # [T] slot per row of the step
 
-    def layer_args(self, layer_idx: int) -> list[torch.Tensor | None]:
+    def fused_row_slots(self) -> torch.Tensor:
+        return self.row_slots
+
+    def fused_layer_args(self, layer_idx: int) -> list[torch.Tensor | None]:
         """cpu_kernels.decoder_layer's lora list for layer `layer_idx`: bgmv_packed_'s (packed, proj,
         out_bounds) for each kind some adapter of the step targets, None for the others."""
         slots = self.slots
@@ -44,7 +47,7 @@ class CPUKernelLoRABatch(LoRABatch):
                 args += [None, None, None]
         return args
 
-    def apply(self, layer: ProjectionLinear, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    def apply(self, layer: LoRALayer, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         if layer.kind not in self.kinds:
             return out
         if x.dtype != torch.bfloat16 or x.shape[0] != self.row_slots.shape[0]:

@@ -14,7 +14,7 @@ import torch
 from loraplane_server.executor.lora.backends.base import LoRABackend, LoRABatch
 
 if TYPE_CHECKING:
-    from loraplane_server.executor.layers.linear import ProjectionLinear
+    from loraplane_server.executor.lora.layout import LoRALayer
     from loraplane_server.executor.lora.slots import LoRASlots
 
 
@@ -54,7 +54,7 @@ class TorchLoRABatch(LoRABatch):
             ends = list(itertools.accumulate(counts))
             self.grouped = [(s, end - n, end) for s, n, end in zip(decode_used, counts, ends, strict=True)]
 
-    def apply(self, layer: ProjectionLinear, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    def apply(self, layer: LoRALayer, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         if layer.kind not in self.kinds:
             return out
         a = self.slots.a[layer.kind][layer.layer_idx]  # [S+1, P*R, in]

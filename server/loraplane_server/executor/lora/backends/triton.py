@@ -11,7 +11,7 @@ import torch
 from loraplane_server.executor.lora.backends.base import LoRABackend, LoRABatch
 
 if TYPE_CHECKING:
-    from loraplane_server.executor.layers.linear import ProjectionLinear
+    from loraplane_server.executor.lora.layout import LoRALayer
     from loraplane_server.executor.lora.slots import LoRASlots
 
 
@@ -30,7 +30,7 @@ class TritonLoRABatch(LoRABatch):
         self.ranks = {kind: as_tensor([w.get(kind, 0) for w in slots.widths]) for kind in slots.layouts}
         self.max_seg_len = max((n for _, n, _ in segs), default=0)  # sizes the grid without a device sync
 
-    def apply(self, layer: ProjectionLinear, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    def apply(self, layer: LoRALayer, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         from loraplane_server.kernels.triton_lora import sgmv_expand, sgmv_shrink
 
         if layer.kind not in self.kinds or self.starts.numel() == 0:
