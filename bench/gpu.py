@@ -385,19 +385,21 @@ def wait_adapters(engine: LLMEngine, names: list[str], tier: str, timeout_s: flo
     start = time.perf_counter()
     root = Path(engine.config.adapter_dir or ".")
     for name in names:
-        if name not in engine.adapters.records:
+        if name not in engine.adapters.manager.records:
             engine.adapters.register(name, str(root / name))
-        engine.prewarm(name, tier)
+        engine.adapters.prewarm(name, tier)
     while True:
-        rows = {r["id"]: r for r in engine.adapter_residency()}
+        rows = {r["id"]: r for r in engine.adapters.residency()}
         failed = [f"{n}: {rows[n]['last_error']}" for n in names if rows[n]["state"] == "failed"]
         if failed:
             raise RuntimeError(f"adapter loads failed: {failed[:3]}")
-        if all(engine.adapters.is_ready(n) and (tier != "device" or rows[n]["tier"] == "device") for n in names):
+        if all(
+            engine.adapters.manager.is_ready(n) and (tier != "device" or rows[n]["tier"] == "device") for n in names
+        ):
             return time.perf_counter() - start
         if time.perf_counter() - start > timeout_s:
             raise TimeoutError(f"{len(names)} adapters not on {tier} after {timeout_s:.0f} s")
-        engine.adapters.wait_for_completion(0.05)
+        engine.adapters.manager.wait_for_completion(0.05)
         engine.poll_adapters()
 
 

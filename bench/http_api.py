@@ -128,7 +128,7 @@ def engine_config(args: argparse.Namespace, w: Workload, adapter_dir: Path) -> E
 # in-process
 def warm_engine(engine: LLMEngine, adapters: list[str]) -> None:
     for a in adapters:
-        engine.prewarm(a, "device")
+        engine.adapters.prewarm(a, "device")
     engine.generate([[1, 2, 3]] * 2, SamplingParams(max_new_tokens=2))
     deadline = time.monotonic() + 600
     while not all(engine.slots.lookup(a) is not None for a in adapters):

@@ -132,7 +132,7 @@ def engine_config(w: Workload, tmp: Path, name: str, kv_cache_bytes: int) -> Eng
 
 
 def device_ids(engine: LLMEngine) -> set[str]:
-    return {row["id"] for row in engine.adapter_residency() if row["tier"] == "device"}
+    return {row["id"] for row in engine.adapters.residency() if row["tier"] == "device"}
 
 
 def warm_adapters(engine: LLMEngine, paths: list[Path], hot: list[str], timeout: float = 900.0) -> float:
@@ -140,19 +140,19 @@ def warm_adapters(engine: LLMEngine, paths: list[Path], hot: list[str], timeout:
     start = time.perf_counter()
     for i, path in enumerate(paths):
         engine.adapters.register(adapter_id(i), str(path))
-        engine.prewarm(adapter_id(i), "device" if adapter_id(i) in hot else "host")
+        engine.adapters.prewarm(adapter_id(i), "device" if adapter_id(i) in hot else "host")
     ids = [adapter_id(i) for i in range(len(paths))]
-    while not (all(map(engine.adapters.is_ready, ids)) and set(hot) <= device_ids(engine)):
+    while not (all(map(engine.adapters.manager.is_ready, ids)) and set(hot) <= device_ids(engine)):
         if time.perf_counter() - start > timeout:
             raise TimeoutError(f"adapters not warm after {timeout:.0f} s")
-        engine.adapters.wait_for_completion(0.05)
+        engine.adapters.manager.wait_for_completion(0.05)
         engine.poll_adapters()
     return time.perf_counter() - start
 
 
 def residency_counts(engine: LLMEngine) -> dict[str, int]:
     counts: dict[str, int] = {}
-    for row in engine.adapter_residency():
+    for row in engine.adapters.residency():
         counts[row["tier"]] = counts.get(row["tier"], 0) + 1
     return counts
 

@@ -99,7 +99,7 @@ def grounded_prompts(engine: LLMEngine) -> list[list[int]]:
 def run_grounded(engine: LLMEngine, prompts: list[list[int]], batch: int, new_tokens: int) -> dict:
     """Every prompt (at least `batch` requests, the prompts in turn) in waves of `batch` requests at once, greedy,
     up to new_tokens each; tokens/s over the wall time."""
-    before = engine.spec_proposed_total, engine.spec_accepted_total
+    before = engine.speculator.proposed_total, engine.speculator.accepted_total
     num = -(-max(batch, len(prompts)) // batch) * batch
     start, steps, generated = time.perf_counter(), 0, 0
     for wave in range(0, num, batch):
@@ -109,8 +109,8 @@ def run_grounded(engine: LLMEngine, prompts: list[list[int]], batch: int, new_to
             generated += sum(len(o.delta_token_ids) for o in engine.step())
             steps += 1
     elapsed = time.perf_counter() - start
-    proposed = engine.spec_proposed_total - before[0]
-    accepted = engine.spec_accepted_total - before[1]
+    proposed = engine.speculator.proposed_total - before[0]
+    accepted = engine.speculator.accepted_total - before[1]
     return {
         "tokens_per_s": round(generated / elapsed, 2),
         "requests": num,
@@ -146,9 +146,9 @@ def measure(engines: dict[str, LLMEngine], w: Workload, ew: EngineWorkload, roun
             if mode in GROUNDED_ONLY:
                 continue
             reqs = make_requests(pool, w, f"spec-{r}", True)
-            before, preempted = engine.spec_proposed_total, engine.scheduler.num_preemptions
+            before, preempted = engine.speculator.proposed_total, engine.scheduler.num_preemptions
             result = run_ours(engine, reqs)
-            result["proposed"] = engine.spec_proposed_total - before
+            result["proposed"] = engine.speculator.proposed_total - before
             result["preemptions"] = engine.scheduler.num_preemptions - preempted
             raw[mode].setdefault("multi_adapter", []).append(result)
     systems = {

@@ -26,7 +26,9 @@ def run_all(engine: LLMEngine, timeout_s: float = 300, check_errors: bool = Fals
     done: dict[str, RequestOutput] = {}
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if not engine.has_unfinished and not any(engine.adapters.is_loading(a) for a in engine.adapters.records):
+        if not engine.has_unfinished and not any(
+            engine.adapters.manager.is_loading(a) for a in engine.adapters.manager.records
+        ):
             engine.poll_adapters()
             return done
         outputs = engine.step()

@@ -41,7 +41,7 @@ def engine(tiny_llama_dir: Path, tmp_path: Path) -> Iterator[LLMEngine]:
 
 
 def row(engine: LLMEngine, adapter_id: str) -> dict:
-    return next(r for r in engine.adapter_residency() if r["id"] == adapter_id)
+    return next(r for r in engine.adapters.residency() if r["id"] == adapter_id)
 
 
 def settle(engine: LLMEngine, adapter_id: str, timeout_s: float = 60.0) -> dict:
@@ -55,7 +55,7 @@ def settle(engine: LLMEngine, adapter_id: str, timeout_s: float = 60.0) -> dict:
 
 
 def to_device(engine: LLMEngine, adapter_id: str, pinned: bool | None = None) -> dict:
-    engine.prewarm(adapter_id, "device", pinned)
+    engine.adapters.prewarm(adapter_id, "device", pinned)
     deadline = time.monotonic() + 60
     while (r := row(engine, adapter_id))["tier"] != "device":
         assert time.monotonic() < deadline, r
@@ -69,39 +69,39 @@ def test_device_to_host_frees_the_slot_for_a_new_adapter(engine: LLMEngine) -> N
     to_device(engine, "b")
     engine.slots.acquire("b")  # b in use, a pinned: no slot for c
     assert not engine.slots.can_acquire("c")
-    r = engine.set_tier("a", "host")
+    r = engine.adapters.set_tier("a", "host")
     assert r["tier"] == "host" and r["slot"] is None and r["target_tier"] is None and not r["pinned"], r
-    assert engine.slots.adapter_in.count(None) == 1 and engine.adapters.stats.evictions["device"] == 1
-    assert engine.adapters.is_ready("a")  # its host copy is kept
+    assert engine.slots.adapter_in.count(None) == 1 and engine.adapters.manager.stats.evictions["device"] == 1
+    assert engine.adapters.manager.is_ready("a")  # its host copy is kept
     assert engine.slots.can_acquire("c")
     r = to_device(engine, "c")  # the freed slot takes a new adapter
     assert r["slot"] is not None and row(engine, "b")["tier"] == "device"
 
 
 def test_host_to_disk_frees_host_memory(engine: LLMEngine) -> None:
-    engine.prewarm("a", "host")
-    engine.prewarm("b", "host")
+    engine.adapters.prewarm("a", "host")
+    engine.adapters.prewarm("b", "host")
     run_all(engine)
     assert row(engine, "a")["tier"] == "host" and row(engine, "b")["tier"] == "host"
-    before, size = engine.adapters.host_bytes, row(engine, "a")["size_bytes"]
+    before, size = engine.adapters.manager.host_bytes, row(engine, "a")["size_bytes"]
     assert size > 0
-    r = engine.set_tier("a", "disk")
+    r = engine.adapters.set_tier("a", "disk")
     assert r["tier"] == "disk" and r["target_tier"] is None, r
-    assert engine.adapters.host_bytes == before - size and "a" not in engine.adapters.host
+    assert engine.adapters.manager.host_bytes == before - size and "a" not in engine.adapters.manager.host
     assert row(engine, "b")["tier"] == "host"  # the others stay
 
 
 def test_device_to_disk_then_back_to_device(engine: LLMEngine) -> None:
     to_device(engine, "a")
-    r = engine.set_tier("a", "disk")
-    assert r["tier"] == "disk" and engine.slots.lookup("a") is None and engine.adapters.host_bytes == 0, r
-    r = engine.set_tier("a", "device")  # promotion: loads in the background, the row says where it goes
+    r = engine.adapters.set_tier("a", "disk")
+    assert r["tier"] == "disk" and engine.slots.lookup("a") is None and engine.adapters.manager.host_bytes == 0, r
+    r = engine.adapters.set_tier("a", "device")  # promotion: loads in the background, the row says where it goes
     assert r["tier"] == "disk" and r["target_tier"] == "device", r
     r = settle(engine, "a")
     assert r["tier"] == "device" and r["slot"] is not None and r["state"] == "ready", r
-    r = engine.set_tier("a", "host")
+    r = engine.adapters.set_tier("a", "host")
     assert r["tier"] == "host" and engine.slots.lookup("a") is None
-    r = engine.set_tier("a", "host")  # already there: nothing to do
+    r = engine.adapters.set_tier("a", "host")  # already there: nothing to do
     assert r["tier"] == "host" and r["target_tier"] is None
 
 
@@ -115,14 +115,16 @@ def test_demotion_to_disk_fetches_a_remote_adapter_the_disk_cache_dropped(engine
     threading.Thread(target=web.serve_forever, daemon=True).start()
     try:
         engine.adapters.register("remote", f"http://127.0.0.1:{web.server_address[1]}/remote.tar.gz")
-        engine.prewarm("remote", "host")
+        engine.adapters.prewarm("remote", "host")
         run_all(engine)
         assert row(engine, "remote")["tier"] == "host"
-        engine.adapters.disk.remove("remote")  # the disk cache let it go meanwhile
-        r = engine.set_tier("remote", "disk")
-        assert r["tier"] == "source" and r["target_tier"] == "disk" and "remote" not in engine.adapters.host, r
+        engine.adapters.manager.disk.remove("remote")  # the disk cache let it go meanwhile
+        r = engine.adapters.set_tier("remote", "disk")
+        assert r["tier"] == "source" and r["target_tier"] == "disk" and "remote" not in engine.adapters.manager.host, r
         r = settle(engine, "remote")
-        assert r["tier"] == "disk" and r["state"] == "ready" and engine.adapters.disk.size_of("remote") is not None
+        assert (
+            r["tier"] == "disk" and r["state"] == "ready" and engine.adapters.manager.disk.size_of("remote") is not None
+        )
     finally:
         web.shutdown()
         web.server_close()
@@ -137,7 +139,7 @@ def test_demotion_waits_for_the_running_request_and_leaves_its_output_alone(engi
     while row(engine, "a")["running"] == 0:
         first += engine.step()
     assert not any(o.finished for o in first)
-    r = engine.set_tier("a", "host")
+    r = engine.adapters.set_tier("a", "host")
     assert r["tier"] == "device" and r["target_tier"] == "host" and r["running"] == 1, r
     outputs = run_all(engine)
     assert outputs[rid].error is None and outputs[rid].token_ids == reference
@@ -147,18 +149,18 @@ def test_demotion_waits_for_the_running_request_and_leaves_its_output_alone(engi
 
 def test_demoting_a_pinned_adapter_unpins_it(engine: LLMEngine) -> None:
     assert to_device(engine, "a", pinned=True)["pinned"]
-    r = engine.set_tier("a", "host")
+    r = engine.adapters.set_tier("a", "host")
     assert r["tier"] == "host" and r["pinned"] is False and "a" not in engine.slots.pinned, r
-    engine.prewarm("b", "device", pinned=True)  # the one pin --max-loras 2 allows is free again
+    engine.adapters.prewarm("b", "device", pinned=True)  # the one pin --max-loras 2 allows is free again
     assert engine.slots.pinned == {"b"}
 
 
 def test_unknown_adapter_and_bad_tier_are_refused(engine: LLMEngine) -> None:
     with pytest.raises(AdapterError, match="unknown adapter 'nope'"):
-        engine.set_tier("nope", "host")
+        engine.adapters.set_tier("nope", "host")
     for tier in ("none", "source", "gpu"):
         with pytest.raises(ValueError, match="expected device, host or disk"):
-            engine.set_tier("a", tier)
+            engine.adapters.set_tier("a", tier)
 
 
 # over real HTTP

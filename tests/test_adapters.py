@@ -92,7 +92,7 @@ def test_broken_adapters_fail_alone(tiny_llama_dir: Path, good_adapter: Path, tm
     for kind, needle in BROKEN.items():
         out = done[ids[kind]]
         assert out.finish_reason == "error" and needle in (out.error or ""), (kind, out.error)
-        assert engine.adapters.records[kind].state.value == "failed"
+        assert engine.adapters.manager.records[kind].state.value == "failed"
     assert done[good].token_ids == peft_greedy(tiny_llama_dir, good_adapter, [prompt], [6])[0]
     assert done[base].token_ids == peft_greedy(tiny_llama_dir, None, [prompt], [6])[0]
     assert engine.block_manager.num_free_blocks == free0 and engine.slots.num_busy == 0
@@ -117,14 +117,14 @@ def test_residency_prewarm_pin_unload(tiny_llama_dir: Path, good_adapter: Path, 
     for name in ("a", "b", "c"):
         shutil.copytree(good_adapter, adapter_dir / name)
     engine = new_engine(tiny_llama_dir, tmp_path, adapter_dir=str(adapter_dir), max_loras=2)
-    rows = {r["id"]: r for r in engine.adapter_residency()}
+    rows = {r["id"]: r for r in engine.adapters.residency()}
     assert set(rows) == {"a", "b", "c"} and rows["a"]["tier"] == "disk" and rows["a"]["state"] == "registered"
-    engine.prewarm("a", "device", pinned=True)
-    engine.prewarm("b", "host")
+    engine.adapters.prewarm("a", "device", pinned=True)
+    engine.adapters.prewarm("b", "host")
     run_all(engine)
     for _ in range(50):
         engine.poll_adapters()
-        rows = {r["id"]: r for r in engine.adapter_residency()}
+        rows = {r["id"]: r for r in engine.adapters.residency()}
         if rows["a"]["tier"] == "device":
             break
     assert rows["a"]["tier"] == "device" and rows["a"]["pinned"] and rows["a"]["rank"] == 4
@@ -135,12 +135,12 @@ def test_residency_prewarm_pin_unload(tiny_llama_dir: Path, good_adapter: Path, 
         engine.add_request([3, 4, 5], SamplingParams(max_new_tokens=2), adapter_id=name)
         run_all(engine)
     assert engine.slots.lookup("a") is not None
-    assert engine.unload("c") and "c" not in {r["id"] for r in engine.adapter_residency()}
-    assert engine.unload("a") and engine.slots.lookup("a") is None
+    assert engine.adapters.unload("c") and "c" not in {r["id"] for r in engine.adapters.residency()}
+    assert engine.adapters.unload("a") and engine.slots.lookup("a") is None
     rid = engine.add_request([3, 4, 5], SamplingParams(max_new_tokens=200), adapter_id="b")
     engine.step()
     with pytest.raises(ValueError, match="in use"):
-        engine.unload("b")
+        engine.adapters.unload("b")
     engine.abort(rid)
     run_all(engine)
 
@@ -181,12 +181,12 @@ def test_thousand_adapters_through_eight_slots(tiny_llama_dir: Path, good_adapte
         if i % 25 == 0:
             for _ in range(3):
                 done.update((o.request_id, o) for o in engine.step() if o.finished)
-                assert engine.adapters.host_bytes <= host_budget
+                assert engine.adapters.manager.host_bytes <= host_budget
     done.update(run_all(engine))
     assert all(done[r].error is None and len(done[r].token_ids) == 3 for r in ids.values())
     assert engine.block_manager.num_free_blocks == free0
-    assert engine.slots.num_busy == 0 and engine.adapters.host_bytes <= host_budget
-    assert engine.adapters.stats.evictions["host"] > 0
+    assert engine.slots.num_busy == 0 and engine.adapters.manager.host_bytes <= host_budget
+    assert engine.adapters.manager.stats.evictions["host"] > 0
     assert len({tuple(done[ids[i]].token_ids) for i in range(0, 1000, 50)}) > 1  # adapters really differ
     assert done[ids[7]].token_ids == peft_greedy(tiny_llama_dir, adapter_dir / "tenant-0007", [[8, 2, 3, 4]], [3])[0]
 
@@ -202,7 +202,7 @@ def test_hot_adapter_cannot_starve_the_others(tiny_llama_dir: Path, good_adapter
         shutil.copytree(good_adapter, adapter_dir / name)
     engine = new_engine(tiny_llama_dir, tmp_path, adapter_dir=str(adapter_dir), max_loras=4, max_num_seqs=8)
     for name in ["hot"] + [f"one-{i}" for i in range(20)]:
-        engine.prewarm(name, "host")
+        engine.adapters.prewarm(name, "host")
     run_all(engine)
     hot = [engine.add_request([7] * 16, SamplingParams(max_new_tokens=4), adapter_id="hot") for _ in range(200)]
     singles = {engine.add_request([8] * 16, SamplingParams(max_new_tokens=4), adapter_id=f"one-{i}") for i in range(20)}
@@ -258,11 +258,11 @@ def test_remote_adapters_go_through_the_disk_cache(tiny_llama_dir: Path, good_ad
         }
         done = run_all(engine)
         assert all(done[r].error is None for r in ids.values()), [done[r].error for r in ids.values()]
-        assert engine.adapters.disk.total_bytes <= budget and engine.adapters.disk.num_entries <= 4
-        assert engine.adapters.stats.loads["disk"] == 12
+        assert engine.adapters.manager.disk.total_bytes <= budget and engine.adapters.manager.disk.num_entries <= 4
+        assert engine.adapters.manager.stats.loads["disk"] == 12
         ref = peft_greedy(tiny_llama_dir, tmp_path / "src" / "remote-3", [[4, 5, 6]], [4])[0]
         assert done[ids[3]].token_ids == ref
-        rows = {r["id"]: r for r in engine.adapter_residency()}
+        rows = {r["id"]: r for r in engine.adapters.residency()}
         assert sum(r["tier"] == "disk" for r in rows.values()) <= 4
     finally:
         server.shutdown()
@@ -299,9 +299,9 @@ def test_failed_loads_say_whether_a_retry_may_help(tiny_llama_dir: Path, good_ad
         engine = new_engine(tiny_llama_dir, tmp_path)
         for name, (source, _) in cases.items():
             engine.adapters.register(name, source)
-            engine.prewarm(name, "host")
+            engine.adapters.prewarm(name, "host")
         run_all(engine)
-        rows = {r["id"]: r for r in engine.adapter_residency()}
+        rows = {r["id"]: r for r in engine.adapters.residency()}
         for name, (_, transient) in cases.items():
             assert rows[name]["state"] == "failed" and rows[name]["last_error"], (name, rows[name])
             assert rows[name]["error_transient"] is transient, (name, rows[name]["last_error"])

@@ -112,32 +112,32 @@ def test_adapter_calls_raise_typed_errors(engine: LLMEngine, tmp_path: Path) -> 
         UnknownAdapterError, lambda: engine.add_request([1, 2], SamplingParams(max_new_tokens=2), adapter_id="nobody")
     )
     assert unknown.adapter_id == "nobody" and issubclass(UnknownAdapterError, AdapterError)
-    raised(UnknownAdapterError, lambda: engine.set_tier("nobody", "host"))
-    assert raised(InvalidRequestError, lambda: engine.set_tier("nobody", "attic")).param == "tier"
-    assert raised(InvalidRequestError, lambda: engine.prewarm("nobody", "attic")).param == "tier"
+    raised(UnknownAdapterError, lambda: engine.adapters.set_tier("nobody", "host"))
+    assert raised(InvalidRequestError, lambda: engine.adapters.set_tier("nobody", "attic")).param == "tier"
+    assert raised(InvalidRequestError, lambda: engine.adapters.prewarm("nobody", "attic")).param == "tier"
 
     # a request on an adapter that cannot load: the adapter is in use meanwhile, then the request fails typed
     (tmp_path / "empty").mkdir()
     engine.adapters.register("broken", str(tmp_path / "empty"))
     rid = engine.add_request([1, 2, 3], SamplingParams(max_new_tokens=2), adapter_id="broken")
-    in_use = raised(AdapterInUseError, lambda: engine.unload("broken"))
+    in_use = raised(AdapterInUseError, lambda: engine.adapters.unload("broken"))
     assert (in_use.adapter_id, in_use.num_users) == ("broken", 1)
     out = run_all(engine)[rid]
     failure = exactly(AdapterLoadError, out.failure)
     assert out.finish_reason == "error" and failure.adapter_id == "broken" and out.error == str(failure)
     assert str(failure).startswith("adapter 'broken' failed to load: ")
-    assert engine.unload("broken")
+    assert engine.adapters.unload("broken")
 
 
 def test_pinning_past_the_limit_raises_pin_limit(engine: LLMEngine, tmp_path: Path) -> None:
     for name in ("p1", "p2"):
         engine.adapters.register(name, str(tmp_path / name))
-    engine.prewarm("p1", "none", pinned=True)  # max_loras=2: one pin at most
+    engine.adapters.prewarm("p1", "none", pinned=True)  # max_loras=2: one pin at most
     try:
-        assert raised(PinLimitError, lambda: engine.prewarm("p2", "none", pinned=True)).param == "pinned"
+        assert raised(PinLimitError, lambda: engine.adapters.prewarm("p2", "none", pinned=True)).param == "pinned"
     finally:
-        engine.unload("p1")
-        engine.unload("p2")
+        engine.adapters.unload("p1")
+        engine.adapters.unload("p2")
 
 
 # the thread hop

@@ -49,7 +49,7 @@ def _engine(model_dir: Path, tmp_path: Path, where: dict[str, str], **overrides:
 def _greedy(engine: LLMEngine, adapters: dict[str, Path], work: list[tuple[str | None, list[int], int]]) -> list:
     for name, path in adapters.items():
         engine.adapters.register(name, str(path))
-        engine.prewarm(name, "host")
+        engine.adapters.prewarm(name, "host")
     ids = [engine.add_request(p, SamplingParams(max_new_tokens=n), adapter_id=a) for a, p, n in work]
     done = run_all(engine, check_errors=True)
     return [done[i].token_ids for i in ids]

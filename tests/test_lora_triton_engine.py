@@ -36,7 +36,7 @@ def test_triton_backend_matches_torch_and_peft(tiny_llama_dir: Path, tmp_path: P
         assert engine.runner.use_triton == (backend == "triton")
         for name, path in adapters.items():
             engine.adapters.register(name, str(path))
-            engine.prewarm(name, "host")
+            engine.adapters.prewarm(name, "host")
         ids = [engine.add_request(p, SamplingParams(max_new_tokens=n), adapter_id=a) for a, p, n in work]
         done = {}
         while len(done) < len(ids):

@@ -121,7 +121,7 @@ def repetitive_prompts(vocab: int, seed: int, n: int) -> list[list[int]]:
 
 
 def speculation_counts(engine: LLMEngine) -> tuple[int, int]:
-    return engine.spec_proposed_total, engine.spec_accepted_total
+    return engine.speculator.proposed_total, engine.speculator.accepted_total
 
 
 def own_draft(method: str, model_dir: Path) -> dict[str, object]:
@@ -273,7 +273,7 @@ def test_soak_with_aborts_returns_every_block_and_slot(
         for out in engine.step():
             assert out.error is None
     run_all(engine)
-    assert engine.spec_accepted_total > 0
+    assert engine.speculator.accepted_total > 0
     assert engine.block_manager.num_free_blocks == free0 and engine.slots.num_busy == 0
     assert not engine.requests and not engine.scheduler.running
 

@@ -58,8 +58,10 @@ def test_the_model_as_its_own_draft_has_every_proposal_accepted(tiny_llama_dir: 
     rejected proposal's left in place, the catch-up off by one) shows up as a rejection."""
     work = mixed_work(512, [None], n=9, seed=3)
     _, engine = compare(tiny_llama_dir, work, method="draft", rejections=False, draft_model=str(tiny_llama_dir), **TINY)
-    assert engine.spec_proposed_total > 100 and engine.spec_accepted_total == engine.spec_proposed_total
-    assert engine.draft is not None and engine.draft.num_passes > 0
+    assert (
+        engine.speculator.proposed_total > 100 and engine.speculator.accepted_total == engine.speculator.proposed_total
+    )
+    assert engine.speculator.draft is not None and engine.speculator.draft.num_passes > 0
 
 
 def test_greedy_equal_with_adapters_joins_and_prefix_hits(
@@ -91,7 +93,7 @@ def test_a_draft_of_another_architecture(tiny_llama_dir: Path, tmp_path: Path) -
         engine = make_engine(tiny_llama_dir, speculative=spec, draft_model=str(draft), **TINY)
         results.append(run_work(engine, work)[0])
     assert results[0] == results[1]
-    assert engine.spec_proposed_total > 50 and "qwen2-draft" in engine.describe()
+    assert engine.speculator.proposed_total > 50 and "qwen2-draft" in engine.describe()
 
 
 def test_greedy_equal_under_preemption(tiny_llama_dir: Path, near_draft: Path) -> None:
@@ -113,8 +115,8 @@ def test_a_long_catch_up_is_spread_over_steps(tiny_llama_dir: Path) -> None:
     engine = make_engine(tiny_llama_dir, speculative="draft", draft_model=str(tiny_llama_dir), **config)
     spec = engine.generate([prompt], SamplingParams(max_new_tokens=24))[0]
     assert spec.token_ids == plain.token_ids
-    assert engine.draft is not None and engine.draft.num_tokens >= len(prompt)
-    assert engine.spec_accepted_total == engine.spec_proposed_total > 0
+    assert engine.speculator.draft is not None and engine.speculator.draft.num_tokens >= len(prompt)
+    assert engine.speculator.accepted_total == engine.speculator.proposed_total > 0
     # the first proposal waited for the catch-up: fewer verified steps than decode steps
     assert spec.num_spec_steps < 24
 
@@ -126,12 +128,16 @@ def test_the_kv_pool_holds_both_models(tiny_llama_dir: Path, tmp_path: Path) -> 
     budget = 1 << 20
     plain = make_engine(tiny_llama_dir, kv_cache_bytes=budget, block_size=4)
     engine = make_engine(tiny_llama_dir, kv_cache_bytes=budget, block_size=4, draft_model=str(draft))
-    assert engine.draft is not None
+    assert engine.speculator.draft is not None
     per_block = kv_block_bytes(engine.runner.model.args, 4, torch.float32)
-    draft_block = kv_block_bytes(engine.draft.model.args, 4, torch.float32)
+    draft_block = kv_block_bytes(engine.speculator.draft.model.args, 4, torch.float32)
     assert plain.block_manager.num_blocks == budget // per_block
     assert engine.block_manager.num_blocks == budget // (per_block + draft_block)
-    assert engine.draft.kv_caches.shape[2] == engine.runner.kv_caches.shape[2] == engine.block_manager.num_blocks
+    assert (
+        engine.speculator.draft.kv_caches.shape[2]
+        == engine.runner.kv_caches.shape[2]
+        == engine.block_manager.num_blocks
+    )
 
 
 def test_refusals(tiny_llama_dir: Path, tmp_path: Path) -> None:
@@ -178,7 +184,7 @@ def test_a_draft_as_dear_as_the_model_never_proposes(tiny_llama_dir: Path) -> No
     config = {**TINY, "draft_cost_ratio": 1.0}
     engine = make_engine(tiny_llama_dir, speculative="draft", draft_model=str(tiny_llama_dir), **config)
     engine.generate(repetitive_prompts(512, 1, 3), SamplingParams(max_new_tokens=16))
-    assert engine.spec_proposed_total == 0 and engine.draft_policy.skipped > 0
+    assert engine.speculator.proposed_total == 0 and engine.speculator.draft_policy.skipped > 0
 
 
 def test_a_cheap_draft_that_is_always_wrong_switches_itself_off(tiny_llama_dir: Path, tmp_path: Path) -> None:
@@ -187,13 +193,13 @@ def test_a_cheap_draft_that_is_always_wrong_switches_itself_off(tiny_llama_dir: 
     draft = save_tiny(tmp_path / "small", "llama", hidden_size=16, intermediate_size=32, num_hidden_layers=1, seed=5)
     config = {**TINY, "draft_cost_ratio": None}
     engine = make_engine(tiny_llama_dir, speculative="draft", draft_model=str(draft), **config)
-    assert engine.draft_policy is not None and engine.draft_policy.bytes_ratio < 1 / 3
+    assert engine.speculator.draft_policy is not None and engine.speculator.draft_policy.bytes_ratio < 1 / 3
     prompts = repetitive_prompts(512, 6, 8)
     engine.generate(prompts[:4], SamplingParams(max_new_tokens=32))
-    early = engine.spec_proposed_total
-    assert early > 0 and engine.draft_policy.acceptance < 0.5
+    early = engine.speculator.proposed_total
+    assert early > 0 and engine.speculator.draft_policy.acceptance < 0.5
     engine.generate(prompts[4:], SamplingParams(max_new_tokens=32))
-    assert engine.spec_proposed_total - early < early / 4 and engine.draft_policy.skipped > 0
+    assert engine.speculator.proposed_total - early < early / 4 and engine.speculator.draft_policy.skipped > 0
 
 
 def test_the_gate_takes_the_faster_side_and_retries_the_other_less_often() -> None:
@@ -240,10 +246,10 @@ def test_a_step_without_speculation_is_not_the_gates_measurement(tiny_llama_dir:
     under the gate's last decision."""
     config = {**TINY, "draft_cost_ratio": None}
     engine = make_engine(tiny_llama_dir, speculative="off", draft_model=str(tiny_llama_dir), **config)
-    assert engine.draft_policy is not None
+    assert engine.speculator.draft_policy is not None
     prompt = repetitive_prompts(512, 7, 1)[0]
     engine.generate([prompt], SamplingParams(max_new_tokens=12, speculative="draft"))
-    rates = {b: list(g.rates) for b, g in engine.draft_policy.gate.sizes.items()}
+    rates = {b: list(g.rates) for b, g in engine.speculator.draft_policy.gate.sizes.items()}
     assert rates  # the draft's request was gated
     engine.generate([prompt], SamplingParams(max_new_tokens=12))
-    assert {b: g.rates for b, g in engine.draft_policy.gate.sizes.items()} == rates
+    assert {b: g.rates for b, g in engine.speculator.draft_policy.gate.sizes.items()} == rates

@@ -39,7 +39,7 @@ def test_build_loads_and_steps_the_engine_on_one_thread(smollm2_dir: Path) -> No
 
         assert len(asyncio.run(generate())) == 4
         # the adapter loaders' pool: every thread of it runs torch ops alone
-        pool = front.engine.adapters._pool
+        pool = front.engine.adapters.manager._pool
         assert {pool.submit(torch.get_num_threads).result() for _ in range(4)} == {1}
         assert torch.get_num_threads() == DEFAULT_THREADS  # this thread's own count is untouched
         fresh: list[int] = []  # and so is the process-wide count a new thread starts with

@@ -38,11 +38,11 @@ def run_engine(
     assert engine.layer_backend == "cpu_kernel" and engine.attention_backend == "cpu_kernel"
     for name, path in adapters.items():
         engine.adapters.register(name, str(path))
-        engine.prewarm(name, "device")
+        engine.adapters.prewarm(name, "device")
     deadline = time.monotonic() + 120
-    while not set(adapters) <= {a["id"] for a in engine.adapter_residency() if a["tier"] == "device"}:
-        assert time.monotonic() < deadline, engine.adapter_residency()
-        engine.adapters.wait_for_completion(0.05)
+    while not set(adapters) <= {a["id"] for a in engine.adapters.residency() if a["tier"] == "device"}:
+        assert time.monotonic() < deadline, engine.adapters.residency()
+        engine.adapters.manager.wait_for_completion(0.05)
         engine.poll_adapters()  # both runs then schedule the same steps (no load finishes mid-run)
     model = engine.runner.model
     steps: list[torch.Tensor] = []

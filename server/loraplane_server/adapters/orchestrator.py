@@ -1,6 +1,8 @@
-"""Adapter moves between the tiers, in step with the scheduler: finished background loads, device
-prewarms, the slot loads a schedule asks for, prewarm / unload / set_tier and their goals, and the
-residency report. The engine calls it between steps; requests that cannot run fail through `fail`."""
+"""The engine's one adapter API (`LLMEngine.adapters`): what admin, LoRAX, /v1/models and the metrics call
+(register, sources, prewarm / unload / set_tier and their goals, the residency report), and the moves
+between the tiers in step with the scheduler (finished background loads, device prewarms, the slot loads
+a schedule asks for). The engine calls it between steps; requests that cannot run fail through `fail`.
+Every call runs on the engine thread."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from loraplane_server.errors import (
     UnknownAdapterError,
 )
 from loraplane_server.request_output import RequestOutput
+from loraplane_server.store.sources import parse_source
 
 if TYPE_CHECKING:
     from loraplane_server.executor.lora.slots import LoRASlots
@@ -42,7 +45,7 @@ class Queues(Protocol):
 class AdapterOrchestrator:
     def __init__(
         self,
-        adapters: AdapterManager,
+        manager: AdapterManager,
         slots: SlotTable,
         lora_slots: LoRASlots,
         scheduler: Queues,
@@ -50,7 +53,7 @@ class AdapterOrchestrator:
         fail: Fail,
     ) -> None:
         """requests: the engine's unfinished requests; fail(seq, error): finish one with an error, its output."""
-        self.adapters = adapters
+        self.manager = manager
         self.slots = slots
         self.lora_slots = lora_slots
         self.scheduler = scheduler
@@ -59,24 +62,68 @@ class AdapterOrchestrator:
         self.device_prewarm: set[str] = set()
         self.tier_goals: dict[str, str] = {}  # adapter -> the exact tier set_tier asked for, until reached
 
+    # the registry
+    def request(self, adapter_id: str) -> None:
+        """A request for `adapter_id` arrives: UnknownAdapterError where it is not known; a miss starts its
+        background load (adapters/manager.py)."""
+        self.manager.request(adapter_id)
+
+    def register(self, adapter_id: str, source: str) -> None:
+        """Know `adapter_id` by `source` (a different source replaces the old one's cached copies)."""
+        self.manager.register(adapter_id, source)
+
+    def source_of(self, adapter_id: str, look_in_dir: bool = True) -> str | None:
+        """The source an adapter is known by; None when unknown. look_in_dir: an adapter of --adapter-dir
+        not yet registered counts (and is registered now)."""
+        rec = self.manager.lookup(adapter_id) if look_in_dir else self.manager.records.get(adapter_id)
+        return None if rec is None else rec.source.uri
+
+    def replace(self, adapter_id: str, source: str) -> bool:
+        """Know `adapter_id` by `source`, unloading it first where it is known by another (refused with
+        AdapterInUseError while requests use it). Whether anything changed."""
+        known = self.source_of(adapter_id, look_in_dir=False)
+        if known == parse_source(source).uri:
+            return False
+        if known is not None:
+            self.unload(adapter_id)
+        self.manager.register(adapter_id, source)
+        return True
+
+    def known_ids(self) -> list[str]:
+        """Every adapter known here, --adapter-dir scanned again first."""
+        self.manager.scan_adapter_dir()
+        return sorted(self.manager.records)
+
+    @property
+    def num_known(self) -> int:
+        return len(self.manager.records)
+
+    def allow_sources(self, allowlist: list[str] | None) -> None:
+        """The sources a load may fetch from (every redirect of a remote source checked too)."""
+        self.manager.source_allow = allowlist
+
+    def shutdown(self) -> None:
+        """Stop the background loads."""
+        self.manager.shutdown()
+
     # between steps
     def poll(self) -> list[RequestOutput]:
         """Apply finished background loads: fail the waiting requests of adapters that failed."""
         outputs = []
-        for adapter_id, error in self.adapters.drain_completions():
-            if error is None or self.adapters.is_loading(adapter_id):
+        for adapter_id, error in self.manager.drain_completions():
+            if error is None or self.manager.is_loading(adapter_id):
                 continue  # fine, or superseded by a retry that is in flight
             self.device_prewarm.discard(adapter_id)
             for seq in self.scheduler.take_waiting(adapter_id):
                 outputs.append(self.fail(seq, AdapterLoadError(adapter_id, error)))
         for adapter_id in [k for k in self.scheduler.rr if k is not None]:
-            if self.adapters.was_evicted(adapter_id):
-                self.adapters.request(adapter_id)  # evicted from host while its requests waited
+            if self.manager.was_evicted(adapter_id):
+                self.manager.request(adapter_id)  # evicted from host while its requests waited
         for adapter_id in list(self.device_prewarm):
-            if self.adapters.is_ready(adapter_id) and self.slots.can_acquire(adapter_id):
+            if self.manager.is_ready(adapter_id) and self.slots.can_acquire(adapter_id):
                 slot, needs_load = self.slots.acquire(adapter_id, ref=False)
                 if needs_load:
-                    self.lora_slots.load(slot, self.adapters.weights(adapter_id))
+                    self.lora_slots.load(slot, self.manager.weights(adapter_id))
                 self.device_prewarm.discard(adapter_id)
         self._advance_tier_goals()
         return outputs
@@ -84,13 +131,13 @@ class AdapterOrchestrator:
     def load_slots(self, slot_loads: list[tuple[int, str]]) -> list[RequestOutput]:
         """Copy the adapters a schedule placed into device slots; a copy that fails fails its running requests."""
         outputs = []
-        stats = self.adapters.stats
+        stats = self.manager.stats
         for slot, adapter_id in slot_loads:
             stats.misses["device"] += 1
             stats.evictions["device"] += self.lora_slots.adapter_in[slot] is not None
             stats.loads["device"] += 1
             try:
-                self.lora_slots.load(slot, self.adapters.weights(adapter_id))
+                self.lora_slots.load(slot, self.manager.weights(adapter_id))
             except (AdapterError, OSError, ValueError) as exc:
                 self.lora_slots.clear(slot)
                 for seq in [s for s in self.scheduler.running if s.adapter_id == adapter_id]:
@@ -109,11 +156,11 @@ class AdapterOrchestrator:
         if pinned:
             self.slots.check_pin(adapter_id)
         if tier != "none":
-            self.adapters.prewarm(adapter_id, tier)
+            self.manager.prewarm(adapter_id, tier)
         if tier == "device":
             self.device_prewarm.add(adapter_id)
         if pinned is not None:
-            self.adapters.set_pinned(adapter_id, pinned)
+            self.manager.set_pinned(adapter_id, pinned)
             (self.slots.pin if pinned else self.slots.unpin)(adapter_id)
 
     def unload(self, adapter_id: str) -> bool:
@@ -128,7 +175,7 @@ class AdapterOrchestrator:
         self.slots.unpin(adapter_id)  # also when it never reached a slot: a stale pin would count against the limit
         self.device_prewarm.discard(adapter_id)
         self.tier_goals.pop(adapter_id, None)
-        return self.adapters.unregister(adapter_id)
+        return self.manager.unregister(adapter_id)
 
     # exact tiers
     def set_tier(self, adapter_id: str, tier: str) -> dict:
@@ -140,21 +187,21 @@ class AdapterOrchestrator:
         UnknownAdapterError for an unknown adapter, InvalidRequestError for another tier."""
         if tier not in ("device", "host", "disk"):
             raise InvalidRequestError(f"tier {tier!r}: expected device, host or disk", param="tier")
-        if self.adapters.lookup(adapter_id) is None:
+        if self.manager.lookup(adapter_id) is None:
             raise UnknownAdapterError(adapter_id)
         self.tier_goals[adapter_id] = tier
         if tier == "device":
             self.prewarm(adapter_id, "device")
         else:
             self.device_prewarm.discard(adapter_id)
-            self.adapters.set_pinned(adapter_id, False)
+            self.manager.set_pinned(adapter_id, False)
             self.slots.unpin(adapter_id)
         self._advance_tier_goal(adapter_id, tier)
         return next(r for r in self.residency() if r["id"] == adapter_id)
 
     def _advance_tier_goals(self) -> None:
         for adapter_id, tier in list(self.tier_goals.items()):
-            rec = self.adapters.records.get(adapter_id)
+            rec = self.manager.records.get(adapter_id)
             if rec is None or rec.state == AdapterState.FAILED:
                 del self.tier_goals[adapter_id]  # its load failed: the row's state and last_error say why
             else:
@@ -173,20 +220,20 @@ class AdapterOrchestrator:
             if not self.slots.evict(adapter_id):
                 return False  # running requests use the slot: freed on a later step, after they finish
             self.lora_slots.clear(slot)
-            self.adapters.stats.evictions["device"] += 1
-        return self.adapters.settle(adapter_id, tier)
+            self.manager.stats.evictions["device"] += 1
+        return self.manager.settle(adapter_id, tier)
 
     def residency(self) -> list[dict]:
         """Every known adapter: tier, state, size, rank, errors, hits."""
         rows = []
-        for rec in list(self.adapters.records.values()):
+        for rec in list(self.manager.records.values()):
             slot = self.slots.lookup(rec.adapter_id)
             rows.append(
                 {
                     "id": rec.adapter_id,
                     "source": rec.source.uri,
                     "state": rec.state.value,
-                    "tier": "device" if slot is not None else self.adapters.tier_of(rec.adapter_id),
+                    "tier": "device" if slot is not None else self.manager.tier_of(rec.adapter_id),
                     "slot": slot,
                     "rank": rec.rank,
                     "size_bytes": rec.size_bytes,

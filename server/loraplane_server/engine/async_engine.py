@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from loraplane_server.engine.input_processor import CheckedPrompt
 from loraplane_server.engine.llm_engine import LLMEngine
 from loraplane_server.errors import EngineError, EngineShutdownError, InternalEngineError
 from loraplane_server.request_output import RequestOutput
@@ -32,10 +33,9 @@ from loraplane_server.sampling_params import SamplingParams
 @dataclass
 class _Add:
     request_id: str
-    prompt: str | list[int]
+    prompt: str | list[int] | CheckedPrompt
     params: SamplingParams
     adapter_id: str | None
-    prompt_checked: bool
     queue: asyncio.Queue[RequestOutput | BaseException]
     loop: asyncio.AbstractEventLoop
 
@@ -82,14 +82,13 @@ class AsyncEngine:
 
     async def generate(
         self,
-        prompt: str | list[int],
+        prompt: str | list[int] | CheckedPrompt,
         params: SamplingParams,
         request_id: str | None = None,
         adapter_id: str | None = None,
-        prompt_checked: bool = False,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's output after every step that advanced it (its deltas); the last one is
-        finished and also holds the whole text, token ids and logprobs. prompt_checked: as add_request's.
+        finished and also holds the whole text, token ids and logprobs.
 
         Raises the engine's own error, as add_request raised it (an EngineError), before the first yield;
         EngineShutdownError after shutdown(); InternalEngineError if the engine itself failed.
@@ -98,7 +97,7 @@ class AsyncEngine:
             self._ids += 1
             request_id = request_id or f"areq-{self._ids}"
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self._submit(_Add(request_id, prompt, params, adapter_id, prompt_checked, queue, asyncio.get_running_loop()))
+        self._submit(_Add(request_id, prompt, params, adapter_id, queue, asyncio.get_running_loop()))
         finished = False
         try:
             while True:
@@ -178,7 +177,7 @@ class AsyncEngine:
                 future.set_exception(exc)
         for add in adds:
             try:
-                self.engine.add_request(add.prompt, add.params, add.request_id, add.adapter_id, add.prompt_checked)
+                self.engine.add_request(add.prompt, add.params, add.request_id, add.adapter_id)
                 self._streams[add.request_id] = add
             except EngineError as exc:  # the request's own error: to its caller as raised
                 add.loop.call_soon_threadsafe(add.queue.put_nowait, exc)

@@ -22,13 +22,11 @@ from loraplane_server.adapters.orchestrator import AdapterOrchestrator
 from loraplane_server.adapters.slot_table import SlotTable
 from loraplane_server.config import CPU_KV_CACHE_BYTES, EngineConfig
 from loraplane_server.engine.block_manager import BlockManager
+from loraplane_server.engine.input_processor import CheckedPrompt, InputProcessor, KVCapacity
 from loraplane_server.engine.scheduler import Scheduler
+from loraplane_server.engine.snapshot import EngineSnapshot, take_snapshot
 from loraplane_server.errors import (
-    EmptyPromptError,
-    InvalidPromptError,
     InvalidRequestError,
-    InvalidTokenIdError,
-    PromptTooLongError,
     RequestFailedError,
 )
 from loraplane_server.executor.backends import resolve_backends
@@ -53,9 +51,9 @@ from loraplane_server.platforms.device import (
 from loraplane_server.platforms.user_cache import cache_root
 from loraplane_server.request_output import RequestOutput as RequestOutput  # its home before; importers keep it
 from loraplane_server.sampling_params import SamplingParams
-from loraplane_server.sequence import FinishReason, Sequence, SequenceStatus
-from loraplane_server.spec.draft import DraftModel, DraftRun, check_vocabulary, weight_bytes
-from loraplane_server.spec.policy import DraftPolicy, SpecState, cap_proposal, spare_tokens
+from loraplane_server.sequence import FinishReason, Sequence
+from loraplane_server.spec.draft import DraftModel, check_vocabulary, weight_bytes
+from loraplane_server.spec.speculator import Speculator
 from loraplane_server.store.models import resolve_model
 
 log = logging.getLogger("loraplane.engine")
@@ -92,13 +90,13 @@ class LLMEngine:
         tokenizer: Any = None  # the model's (a transformers tokenizer), loaded early to check a draft's against
         draft_dir: Path | None = None
         draft_args: ModelArgs | None = None
-        self.draft_max_len = self.max_model_len
+        draft_max_len = self.max_model_len
         if config.draft_model:  # resolved and checked against the model's tokenizer before any weight loads
             phase("resolving the draft model")
             draft_dir = resolve_model(replace(config, model=config.draft_model), on_phase, flag="--draft-model")
             draft_config = read_config(draft_dir)
             draft_args = model_args(draft_config)
-            self.draft_max_len = min(self.max_model_len, max_context(draft_config))
+            draft_max_len = min(self.max_model_len, max_context(draft_config))
             tokenizer = _load_tokenizer(self.model_dir)
             check_vocabulary(tokenizer, _load_tokenizer(draft_dir), model_args(hf_config), draft_args)
         if self.device.type == "cpu" and {config.attention_backend, config.layer_backend} & {"auto", "cpu_kernel"}:
@@ -117,7 +115,7 @@ class LLMEngine:
         draft_weights = None
         if draft_dir is not None:  # before the KV cache: on CUDA its weights come off the budget first
             phase("loading the draft model")
-            draft_weights = load_model(draft_dir, self.dtype, self.device, self.draft_max_len)
+            draft_weights = load_model(draft_dir, self.dtype, self.device, draft_max_len)
             if config.quantization == "int8":
                 draft_weights.quantize_int8()
         phase("allocating the KV cache and adapter slots")
@@ -139,7 +137,7 @@ class LLMEngine:
         graphs = self._graphs_mode()
         num_blocks = self._num_blocks(block_bytes) - (graphs is not None)  # the plan's last block: graphs' scratch
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.adapters = AdapterManager(
+        manager = AdapterManager(
             model.args,
             self.dtype,
             config.max_lora_rank,
@@ -149,7 +147,7 @@ class LLMEngine:
         )
         self.slots = SlotTable(config.max_loras)
         self.scheduler = Scheduler(
-            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, self.slots, self.adapters.is_ready
+            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, self.slots, manager.is_ready
         )
         self.runner = ModelRunner(
             model,
@@ -164,13 +162,12 @@ class LLMEngine:
         if graphs is not None:
             phase("capturing CUDA graphs" if graphs == "capture" else "decode graph buffers")
             self.runner.use_graphs(config.max_num_seqs, self.max_model_len, capture=graphs == "capture")
-        self.draft: DraftModel | None = None
-        self.draft_policy: DraftPolicy | None = None
+        draft = None
         if draft_dir is not None and draft_weights is not None:
-            self.draft = DraftModel(
+            draft = DraftModel(
                 draft_weights,
                 draft_dir,
-                self.draft_max_len,
+                draft_max_len,
                 num_blocks,
                 config.block_size,
                 self.dtype,
@@ -178,26 +175,28 @@ class LLMEngine:
                 self.backends,
                 model.args.vocab_size,
             )
-            self.draft_policy = DraftPolicy(
-                config.draft_cost_ratio,
-                self.draft.weight_bytes / weight_bytes(model),
-                config.max_num_batched_tokens,
-                config.speculative_max_step_tokens,
-            )
+        ratio = draft.weight_bytes / weight_bytes(model) if draft is not None else 0.0
+        self.speculator = Speculator(config, self.max_model_len, draft, ratio)
         log.info("engine: %s", self.describe())
         phase("loading the tokenizer")
         self.tokenizer = tokenizer if draft_dir is not None else _load_tokenizer(self.model_dir)
+        self.inputs = InputProcessor(
+            self.tokenizer,
+            self.model_dir,
+            self.max_model_len,
+            model.args.vocab_size,
+            KVCapacity(num_blocks, config.block_size),
+            self.speculator.method,
+        )
         self.eos_token_ids = _eos_ids(self.model_dir, hf_config)
         self.requests: dict[str, Sequence] = {}  # unfinished requests; each holds its own state
-        self.orchestrator = AdapterOrchestrator(
-            self.adapters, self.slots, self.lora_slots, self.scheduler, self.requests, self._fail
+        self.adapters = AdapterOrchestrator(  # the engine's one adapter API
+            manager, self.slots, self.lora_slots, self.scheduler, self.requests, self._fail
         )
         self._aborted: list[RequestOutput] = []
         self._counter = itertools.count()
         self.num_steps = 0
         self.last_step_tokens = 0
-        self.spec_proposed_total = 0  # speculative tokens proposed and accepted, every request together
-        self.spec_accepted_total = 0
 
     @property
     def gpu_memory_utilization(self) -> float:
@@ -277,70 +276,30 @@ class LLMEngine:
         dtype = str(self.dtype).removeprefix("torch.")
         if self.runner.model.int8:
             dtype += " (int8 weights)"
-        draft = f"; {self.draft.describe()}" if self.draft is not None else ""
-        return f"{where}; {dtype}; {self.backends.describe(self.runner.model.fused_layers)}{draft}"
+        return f"{where}; {dtype}; {self.backends.describe(self.runner.model.fused_layers)}{self.speculator.describe()}"
 
     # requests
     def add_request(
         self,
-        prompt: str | list[int],
+        prompt: str | list[int] | CheckedPrompt,
         params: SamplingParams | None = None,
         request_id: str | None = None,
         adapter_id: str | None = None,
-        prompt_checked: bool = False,
     ) -> str:
-        """Queue a request; its id. Raises the request's typed error (an EngineError). prompt_checked:
-        the caller ran check_prompt on these very ids (the HTTP API does, before it builds a request)."""
-        params = params or SamplingParams()
-        method = params.speculative or self.config.speculative
-        if method == "draft" and self.draft is None:
-            raise InvalidRequestError(
-                "speculative='draft' needs a server started with a draft model (--draft-model)", param="speculative"
-            )
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise InvalidPromptError(f"{self.model_dir} has no tokenizer: send token ids", param="prompt")
-            ids = self.tokenizer.encode(prompt, add_special_tokens=False)
-        else:
-            ids = list(prompt)
+        """Queue a request; its id. Raises the request's typed error (an EngineError). The prompt's checks
+        are the input processor's (`self.inputs`); a CheckedPrompt passed them already."""
+        request = self.inputs.process(prompt, params or SamplingParams())
         request_id = request_id or f"req-{next(self._counter)}"
-        self._validate(request_id, ids, params, prompt_checked)
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         if adapter_id is not None:
             self.adapters.request(adapter_id)  # raises UnknownAdapterError
-        seq = Sequence(request_id, ids, params, adapter_id)
-        seq.generator = make_generator(params.seed, self.device)
-        if method in ("ngram", "draft"):
-            seq.spec = SpecState(max_k=self.config.speculative_k, method=method)
+        seq = Sequence(request_id, request.token_ids, request.params, adapter_id)
+        seq.generator = make_generator(request.params.seed, self.device)
+        self.speculator.start(seq, request.spec_method)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
         return request_id
-
-    def _validate(self, request_id: str, ids: list[int], params: SamplingParams, prompt_checked: bool) -> None:
-        if request_id in self.requests:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
-        if not prompt_checked:
-            self.check_prompt(ids)
-        total = min(len(ids) + params.max_new_tokens, self.max_model_len)
-        if self.block_manager.blocks_needed(total) > self.block_manager.num_blocks:
-            raise InvalidPromptError(
-                f"{total} tokens do not fit in the KV cache ({self.block_manager.num_blocks} "
-                f"blocks of {self.block_manager.block_size})"
-            )
-
-    def check_prompt(self, ids: list[int]) -> None:
-        """Every prompt's checks (add_request runs them; the HTTP API too, before it builds a request):
-        EmptyPromptError, PromptTooLongError (no token left to generate), InvalidTokenIdError."""
-        if not ids:
-            raise EmptyPromptError()
-        if len(ids) >= self.max_model_len:
-            raise PromptTooLongError(len(ids), self.max_model_len)
-        self.check_token_ids(ids)
-
-    def check_token_ids(self, ids: list[int]) -> None:
-        """InvalidTokenIdError naming the first id outside the model's vocabulary."""
-        vocab = self.runner.model.args.vocab_size
-        if ids and (min(ids) < 0 or max(ids) >= vocab):
-            raise InvalidTokenIdError(next(t for t in ids if not 0 <= t < vocab), vocab)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its blocks; its final output comes from the next step()."""
@@ -359,27 +318,24 @@ class LLMEngine:
     # step
     def step(self) -> list[RequestOutput]:
         outputs, self._aborted = self._aborted, []
-        outputs += self.orchestrator.poll()
-        proposing, catching_up = self._propose()
+        outputs += self.adapters.poll()
+        proposals = self.speculator.propose(self.scheduler.running)
         plan = self.scheduler.schedule()
-        self.adapters.stats.hits["device"] += plan.slot_hits
-        outputs += self.orchestrator.load_slots(plan.slot_loads)
+        self.adapters.manager.stats.hits["device"] += plan.slot_hits
+        outputs += self.adapters.load_slots(plan.slot_loads)
         scheduled = [(s, n) for s, n in plan.scheduled if not s.is_finished]
         start = time.perf_counter()
-        drafted = self._draft_proposals(scheduled, catching_up)
+        drafted = self.speculator.fill(scheduled, proposals)
         self.last_step_tokens = sum(n for _, n in scheduled)
         if not scheduled:
-            self._drop_proposals(proposing)
+            self.speculator.drop(proposals)
             if not outputs and self.scheduler.num_waiting:
-                self.adapters.wait_for_completion(0.01)  # only adapter loads can unblock the queue
+                self.adapters.manager.wait_for_completion(0.01)  # only adapter loads can unblock the queue
             return outputs
-        # the draft's cost model times decode-only steps; without a draft nothing is looked at
-        decoding = self.draft_policy is not None and all(s.num_computed_tokens == len(s) - 1 for s, _ in scheduled)
         run_start = time.perf_counter()
         samplers, tokens, logprobs = self.runner.run(scheduled)
         end = time.perf_counter()
-        if decoding and self.draft_policy is not None:
-            self.draft_policy.record_step(end - run_start, drafted, sum(map(len, tokens)), end - start)
+        self.speculator.record_step(scheduled, drafted, end - run_start, sum(map(len, tokens)), end - start)
         self.num_steps += 1
         now = time.monotonic()
         for seq, n in scheduled:
@@ -395,7 +351,7 @@ class LLMEngine:
                 outputs += self._accept(seq, seq_tokens, seq_logprobs)
             else:
                 outputs += self._append(seq, seq_tokens[0], seq_logprobs[0])
-        self._drop_proposals(proposing)
+        self.speculator.drop(proposals)
         return outputs
 
     def _append(self, seq: Sequence, token: int, logprob: float) -> list[RequestOutput]:
@@ -410,98 +366,10 @@ class LLMEngine:
             self._release(seq)
         return [out]
 
-    # speculative decoding
-    def _propose(self) -> tuple[list[Sequence], list[tuple[Sequence, int]]]:
-        """Proposals for the decoding sequences that speculate, while the step's tokens stay under
-        speculative_max_step_tokens (a larger step is compute-bound): prompt lookup's now; for the draft's,
-        k placeholders the scheduler fits to the step before the draft fills them (_draft_proposals), in the
-        steps where the draft pays (DraftPolicy). The sequences given some, and the draft sequences too far
-        behind to propose: (sequence, the position their catch-up reaches this step)."""
-        running = self.scheduler.running
-        if self.draft_policy is not None:
-            self.draft_policy.gated = None  # a step the gate does not decide is none of its measurements
-        if not any(s.spec is not None for s in running):
-            return [], []
-        num_tokens = min(sum(s.num_uncomputed_tokens for s in running), self.config.max_num_batched_tokens)
-        spare = spare_tokens(num_tokens, self.config.speculative_max_step_tokens)
-        draft_share, catch_up, retrying = 0, 0, False
-        if self.draft_policy is not None:
-            num_drafting = sum(
-                1 for s in running if s.spec and s.spec.method == "draft" and s.num_uncomputed_tokens == 1
-            )
-            draft_share, catch_up, retrying = self.draft_policy.plan(len(running), num_drafting, spare)
-        proposing: list[Sequence] = []
-        catching_up: list[tuple[Sequence, int]] = []
-        for seq in running:
-            if spare <= 0:
-                break
-            if seq.spec is None or seq.num_uncomputed_tokens != 1:
-                continue
-            max_len = self.max_model_len if seq.spec.method == "ngram" else self.draft_max_len
-            k = min(
-                spare,
-                cap_proposal(seq.spec.k, seq.num_output_tokens, seq.params.max_new_tokens, len(seq), max_len),
-            )
-            if seq.spec.method == "draft":
-                k = min(k, draft_share)
-            if k <= 0:
-                continue
-            if seq.spec.method == "ngram":
-                seq.spec.proposed = seq.spec.index.propose(seq.token_ids, k)
-            elif (lag := len(seq) - seq.spec.draft_computed) <= catch_up:
-                seq.spec.proposed = [0] * k  # placeholders until the draft runs
-                catch_up -= lag
-            elif catch_up > 0 and not retrying:  # a long catch-up (a prompt, a preemption) spread over steps
-                catching_up.append((seq, seq.spec.draft_computed + catch_up))
-                catch_up = 0
-            if seq.spec.proposed:
-                spare -= len(seq.spec.proposed)
-                proposing.append(seq)
-        drafting = [s for s in proposing if s.spec is not None and s.spec.method == "draft"]
-        if drafting:
-            assert self.draft is not None and self.draft_policy is not None
-            prior = self.draft_policy.acceptance
-            estimates = [(s.spec.acceptance(prior), len(s.spec.proposed)) for s in drafting if s.spec]
-            k = self.draft_policy.choose_k(estimates, len(running), self.draft.pass_seconds)
-            for seq in drafting:
-                assert seq.spec is not None
-                del seq.spec.proposed[k:]
-            if k == 0:  # nor catch-ups: the draft reads nothing in a step it does not propose in
-                proposing = [s for s in proposing if s not in drafting]
-                catching_up = []
-        return proposing, catching_up
-
-    def _draft_proposals(self, scheduled: list[tuple[Sequence, int]], catching_up: list[tuple[Sequence, int]]) -> bool:
-        """The draft model's tokens in place of the placeholders the scheduler kept (k each, in one batched
-        catch-up pass then k - 1 single-token passes), and the catch-ups of sequences too far behind. Whether
-        the draft ran."""
-        runs = [
-            DraftRun(seq, len(seq), len(seq.spec.proposed))
-            for seq, _ in scheduled
-            if seq.spec is not None and seq.spec.method == "draft" and seq.spec.proposed
-        ]
-        runs += [DraftRun(seq, end, 0) for seq, end in catching_up if seq.status == SequenceStatus.RUNNING]
-        if not runs:
-            return False
-        assert self.draft is not None
-        for run, tokens in zip(runs, self.draft.propose(runs), strict=True):
-            if run.k:
-                assert run.seq.spec is not None
-                run.seq.spec.proposed = tokens
-        return True
-
     def _accept(self, seq: Sequence, tokens: list[int], logprobs: list[float]) -> list[RequestOutput]:
         """A verified run: the accepted proposals and the model's own token, one by one through the finish
         checks (a stop, EOS or max_tokens inside the run ends it there); the rejected tokens' blocks back."""
-        assert seq.spec is not None
-        # the draft's K/V holds after the last token only where its input was the token accepted there
-        seq.spec.draft_computed = min(seq.spec.draft_computed, len(seq) + len(tokens) - 1)
-        seq.spec.adapt(len(seq.spec.proposed), len(tokens) - 1)
-        if self.draft_policy is not None and seq.spec.method == "draft":
-            self.draft_policy.record_run(len(seq.spec.proposed), len(tokens) - 1)
-        self.spec_proposed_total += len(seq.spec.proposed)
-        self.spec_accepted_total += len(tokens) - 1
-        seq.spec.proposed = []
+        self.speculator.accept(seq, len(tokens))
         seq.num_computed_tokens += len(tokens)  # the last token and the accepted proposals now hold K/V
         outputs: list[RequestOutput] = []
         for token, logprob in zip(tokens, logprobs, strict=True):
@@ -511,13 +379,6 @@ class LLMEngine:
         self.block_manager.commit(seq)
         self.block_manager.trim(seq)
         return outputs
-
-    @staticmethod
-    def _drop_proposals(seqs: list[Sequence]) -> None:
-        """Proposals not verified this step (the sequence was not scheduled) are dropped."""
-        for seq in seqs:
-            if seq.spec is not None:
-                seq.spec.proposed = []
 
     def _check_finish(self, seq: Sequence, token: int) -> FinishReason | None:
         p = seq.params
@@ -577,28 +438,18 @@ class LLMEngine:
         self._release(seq)
         return out
 
-    # adapters: the orchestrator does the work; these are the engine's public names for it
+    # between steps
     def poll_adapters(self) -> list[RequestOutput]:
-        """Apply finished background loads: fail the waiting requests of adapters that failed."""
-        return self.orchestrator.poll()
+        """An idle engine's step: finished background loads applied (the waiting requests of adapters that
+        failed fail), device prewarms moved on."""
+        return self.adapters.poll()
 
-    def prewarm(self, adapter_id: str, tier: str = "device", pinned: bool | None = None) -> None:
-        """Move an adapter up to `tier` (device | host | disk) in the background; optionally pin it
-        (PinLimitError beyond max_loras - 1 pins). See AdapterOrchestrator.prewarm."""
-        self.orchestrator.prewarm(adapter_id, tier, pinned)
-
-    def unload(self, adapter_id: str) -> bool:
-        """Forget an adapter on every tier. Refused (AdapterInUseError) while requests use or await it."""
-        return self.orchestrator.unload(adapter_id)
-
-    def set_tier(self, adapter_id: str, tier: str) -> dict:
-        """Move a known adapter to exactly `tier` (device | host | disk); its residency row.
-        See AdapterOrchestrator.set_tier."""
-        return self.orchestrator.set_tier(adapter_id, tier)
-
-    def adapter_residency(self) -> list[dict]:
-        """Every known adapter: tier, state, size, rank, errors, hits."""
-        return self.orchestrator.residency()
+    def snapshot(self, loads_seen: int = 0) -> EngineSnapshot:
+        """The engine's state for the metrics, in one record (call it on the engine thread); loads_seen:
+        adapter loads the caller has seen, whose times it then leaves out."""
+        return take_snapshot(
+            self.scheduler, self.block_manager, self.slots, self.adapters, len(self.requests), loads_seen
+        )
 
     def decode(self, token_ids: list[int]) -> str:
         return "" if self.tokenizer is None else self.tokenizer.decode(token_ids, skip_special_tokens=True)

@@ -147,7 +147,7 @@ EXACT_TIERS = ("device", "host", "disk")  # what POST /v1/adapters/{id}/tier acc
 
 async def rows(state: ServerState) -> list[dict]:
     engine, _ = state.require_engine()
-    return await state.call(engine.adapter_residency)
+    return await state.call(engine.adapters.residency)
 
 
 async def row(state: ServerState, adapter_id: str) -> dict:
@@ -163,13 +163,7 @@ async def register(state: ServerState, adapter_id: str, uri: str, param: str) ->
     engine, _ = state.require_engine()
 
     def _register() -> bool:
-        rec = engine.adapters.records.get(adapter_id)
-        if rec is not None and rec.source.uri == source.uri:
-            return False
-        if rec is not None:
-            engine.unload(adapter_id)  # AdapterInUseError while in use
-        engine.adapters.register(adapter_id, source.uri)
-        return True
+        return engine.adapters.replace(adapter_id, source.uri)  # AdapterInUseError while in use
 
     try:
         return await state.call(_register)
@@ -181,9 +175,9 @@ async def prewarm(state: ServerState, adapter_id: str, tier: str, pinned: bool |
     engine, _ = state.require_engine()
 
     def _prewarm() -> None:
-        if engine.adapters.lookup(adapter_id) is None:
+        if engine.adapters.source_of(adapter_id) is None:
             raise UnknownAdapterError(adapter_id, "give a source to register it")
-        engine.prewarm(adapter_id, tier, pinned)
+        engine.adapters.prewarm(adapter_id, tier, pinned)
 
     try:
         await state.call(_prewarm)
@@ -199,7 +193,7 @@ async def set_tier(state: ServerState, adapter_id: str, tier: str | None) -> dic
         )
     engine, _ = state.require_engine()
     try:
-        return await state.call(lambda: engine.set_tier(adapter_id, tier))
+        return await state.call(lambda: engine.adapters.set_tier(adapter_id, tier))
     except EngineError as exc:
         raise api_error(exc) from exc
 
@@ -220,7 +214,7 @@ async def wait_for(state: ServerState, adapter_id: str, tier: str, timeout_s: fl
 async def unload(state: ServerState, adapter_id: str) -> None:
     engine, _ = state.require_engine()
     try:
-        found = await state.call(lambda: engine.unload(adapter_id))
+        found = await state.call(lambda: engine.adapters.unload(adapter_id))
     except EngineError as exc:
         raise api_error(exc) from exc
     if not found:

@@ -28,6 +28,7 @@ from fastapi import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from loraplane_server.engine.input_processor import CheckedPrompt
 from loraplane_server.engine.llm_engine import RequestOutput
 from loraplane_server.errors import EngineError, RequestFailedError
 from loraplane_server.sampling_params import SamplingParams
@@ -53,22 +54,21 @@ class Generation:
         self,
         state: ServerState,
         api: str,
-        prompt_ids: list[int],
+        prompt: CheckedPrompt | list[int],
         params: SamplingParams,
         adapter_id: str | None,
         arrival: float | None = None,
-        prompt_checked: bool = False,
     ) -> None:
-        """prompt_checked: engine.check_prompt passed on prompt_ids already (the routes' check_budget runs
-        it): the engine does not check them again. Otherwise its typed error comes back from start()."""
+        """prompt: as the routes' check_budget checked it (the engine does not check it again), or token ids
+        the engine checks, its typed error then coming back from start()."""
         self.state = state
         self.api = api
         self.request_id = f"{api}-{uuid.uuid4().hex}"
-        self.prompt_ids = prompt_ids
+        self.prompt = prompt
+        self.prompt_ids = prompt.token_ids if isinstance(prompt, CheckedPrompt) else prompt
         self.params = params
         self.adapter_id = adapter_id
         self.arrival = arrival if arrival is not None else time.monotonic()
-        self.prompt_checked = prompt_checked
         self.token_ids: list[int] = []
         self.logprobs: list[float | None] = []
         self._pieces: list[str] = []  # the engine's text deltas, joined when text is read
@@ -96,9 +96,7 @@ class Generation:
             raise rejected_error(exc) from exc
         self._admitted = True
         self._start_failed = True  # until the first output says otherwise
-        self._stream = front.generate(
-            self.prompt_ids, self.params, self.request_id, self.adapter_id, prompt_checked=self.prompt_checked
-        )
+        self._stream = front.generate(self.prompt, self.params, self.request_id, self.adapter_id)
         try:
             self._first = await anext(self._stream)
         except EngineError as exc:

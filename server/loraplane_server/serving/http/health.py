@@ -52,8 +52,7 @@ async def models(request: Request) -> dict:
     engine, _ = state.require_engine()
 
     def _adapters() -> list[str]:
-        engine.adapters.scan_adapter_dir()
-        return sorted(engine.adapters.records)
+        return engine.adapters.known_ids()
 
     ts, base = created(), state.config.model_name
     data = [

@@ -195,10 +195,10 @@ async def _prepare(state: ServerState, body: GenerateRequest, request: Request) 
     if p.truncate is not None:
         ids = ids[-p.truncate :]
     if p.max_new_tokens is None:
-        max_new = check_budget(state, ids, None, "parameters.max_new_tokens")
+        prompt, max_new = check_budget(state, ids, None, "parameters.max_new_tokens")
         max_new = min(max_new, DEFAULT_MAX_NEW_TOKENS)
     else:
-        max_new = check_budget(state, ids, p.max_new_tokens, "parameters.max_new_tokens")
+        prompt, max_new = check_budget(state, ids, p.max_new_tokens, "parameters.max_new_tokens")
     # TGI: any warper (temperature != 1, top_k, top_p < 1) turns sampling on, temperature 0 turns it off
     warpers = p.temperature not in (None, 1.0) or bool(p.top_k) or p.top_p not in (None, 1.0)
     sampling = (p.do_sample or warpers) and p.temperature != 0.0
@@ -216,7 +216,7 @@ async def _prepare(state: ServerState, body: GenerateRequest, request: Request) 
         logprobs=True,
         speculative=p.speculative,
     )
-    return Generation(state, "lorax", ids, params, adapter_id, arrival, prompt_checked=True), seed
+    return Generation(state, "lorax", prompt, params, adapter_id, arrival), seed
 
 
 def _finish_reason(gen: Generation) -> str:
@@ -355,8 +355,7 @@ async def require_registered(state: ServerState, adapter_id: str, uri: str) -> N
     engine, _ = state.require_engine()
 
     def _current() -> str | None:
-        rec = engine.adapters.lookup(adapter_id)
-        return None if rec is None else rec.source.uri
+        return engine.adapters.source_of(adapter_id)
 
     if wanted is None or await state.call(_current) != wanted:
         raise unauthorized(
@@ -384,11 +383,11 @@ async def register(state: ServerState, adapter_id: str, uri: str, param: str, ad
     engine, _ = state.require_engine()
 
     def _register() -> str | None:
-        rec = engine.adapters.lookup(adapter_id)
-        if rec is None:
+        known = engine.adapters.source_of(adapter_id)
+        if known is None:
             engine.adapters.register(adapter_id, source.uri)
             return None
-        return None if rec.source.uri == source.uri else rec.source.uri
+        return None if known == source.uri else known
 
     other = await state.call(_register)
     if other is not None:

@@ -10,17 +10,15 @@ the busiest adapters by lifetime tokens have their own series, the rest count un
 
 from __future__ import annotations
 
-import collections
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from loraplane_server.adapters.manager import TIERS
-from loraplane_server.engine.llm_engine import LLMEngine
+from loraplane_server.engine.snapshot import EngineSnapshot
 from loraplane_server.serving.bounded_labels import BoundedLabels
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -66,62 +64,6 @@ class AdapterSpeculation(BoundedLabels[dict[str, SpecCounts]]):
         counts.proposed += proposed
         counts.accepted += accepted
         counts.steps += steps
-
-
-@dataclass
-class EngineSnapshot:
-    """A consistent copy of the engine's state, taken on the engine thread (AsyncEngine.call)."""
-
-    num_waiting: int = 0
-    num_running: int = 0
-    num_requests: int = 0  # known to the engine: waiting, running or finished but not yet reported
-    num_blocks: int = 0
-    num_free_blocks: int = 0
-    kv_cache_usage: float = 0.0
-    max_loras: int = 0
-    num_busy_slots: int = 0
-    running_adapters: list[str] = field(default_factory=list)
-    waiting_adapters: list[str] = field(default_factory=list)
-    resident: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
-    hits: dict[str, int] = field(default_factory=dict)
-    misses: dict[str, int] = field(default_factory=dict)
-    loads: dict[str, int] = field(default_factory=dict)
-    evictions: dict[str, int] = field(default_factory=dict)
-    load_seconds: list[float] = field(default_factory=list)  # loads finished since the caller's last look
-    num_loads_seen: int = 0  # for the next call's loads_seen
-    num_adapters: int = 0
-
-    def to_dict(self) -> dict:
-        out = asdict(self)
-        out.pop("load_seconds")
-        return out
-
-
-def take_snapshot(engine: LLMEngine, loads_seen: int = 0) -> EngineSnapshot:
-    """Run on the engine thread: engine state is not thread-safe."""
-    sched, stats = engine.scheduler, engine.adapters.stats
-    rows = engine.adapter_residency()
-    resident = dict.fromkeys(TIERS, 0) | collections.Counter(row["tier"] for row in rows)
-    return EngineSnapshot(
-        num_waiting=sched.num_waiting,
-        num_running=len(sched.running),
-        num_requests=len(engine.requests),
-        num_blocks=engine.block_manager.num_blocks,
-        num_free_blocks=engine.block_manager.num_free_blocks,
-        kv_cache_usage=engine.block_manager.usage,
-        max_loras=engine.slots.num_slots,
-        num_busy_slots=engine.slots.num_busy,
-        running_adapters=sorted({s.adapter_id for s in sched.running if s.adapter_id}),
-        waiting_adapters=sorted(k for k in sched.rr if k is not None and sched.queues.get(k)),
-        resident=resident,
-        hits=dict(stats.hits),
-        misses=dict(stats.misses),
-        loads=dict(stats.loads),
-        evictions=dict(stats.evictions),
-        load_seconds=list(stats.load_seconds[loads_seen:]),
-        num_loads_seen=len(stats.load_seconds),
-        num_adapters=len(rows),
-    )
 
 
 class Metrics:

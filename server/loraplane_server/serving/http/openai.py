@@ -12,6 +12,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from loraplane_server.engine.input_processor import CheckedPrompt
 from loraplane_server.serving.http.admin import check_adapter_id
 from loraplane_server.serving.http.errors import ApiError, error_body
 from loraplane_server.serving.http.generation import (
@@ -58,8 +59,8 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
             "choices allowed in one request",
             param="n",
         )
-    max_new = [check_budget(state, ids, body.max_tokens, "max_tokens") for ids in prompts]
-    gens = make_generations(state, "openai", body, prompts, max_new, body.logprobs is not None, arrival, adapter_id)
+    checked = [check_budget(state, ids, body.max_tokens, "max_tokens") for ids in prompts]
+    gens = make_generations(state, "openai", body, checked, body.logprobs is not None, arrival, adapter_id)
     rid, ts = response_id("cmpl"), created()
     if body.stream:
         await start_all(gens)
@@ -151,8 +152,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     messages = [{"role": m.role, "content": m.text()} | ({"name": m.name} if m.name else {}) for m in body.messages]
     ids = await asyncio.to_thread(chat_prompt_ids, state, messages)
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-    max_new = check_budget(state, ids, body.max_completion_tokens or body.max_tokens, param)
-    gens = make_generations(state, "openai", body, [ids], [max_new], body.logprobs, arrival, adapter_id)
+    checked = check_budget(state, ids, body.max_completion_tokens or body.max_tokens, param)
+    gens = make_generations(state, "openai", body, [checked], body.logprobs, arrival, adapter_id)
     rid, ts = response_id("chatcmpl"), created()
     if body.stream:
         await start_all(gens)
@@ -245,8 +246,7 @@ def make_generations(
     state: ServerState,
     api: str,
     body: SamplingFields,
-    prompts: list[list[int]],
-    max_new: list[int],
+    prompts: list[tuple[CheckedPrompt, int]],
     logprobs: bool,
     arrival: float,
     adapter_id: str | None,
@@ -254,7 +254,7 @@ def make_generations(
     """body.n generations per prompt; choice i*n + j is prompt i's j-th sample (seed + j when seeded)."""
     temperature = 1.0 if body.temperature is None else body.temperature
     gens = []
-    for ids, limit in zip(prompts, max_new, strict=True):
+    for prompt, limit in prompts:
         for j in range(body.n):
             seed = sampling_seed(None if body.seed is None else (body.seed + j) % (1 << 63), temperature > 0)
             params = make_params(
@@ -270,7 +270,7 @@ def make_generations(
                 logprobs=logprobs,
                 speculative=body.speculative,
             )
-            gens.append(Generation(state, api, ids, params, adapter_id, arrival, prompt_checked=True))
+            gens.append(Generation(state, api, prompt, params, adapter_id, arrival))
     return gens
 
 

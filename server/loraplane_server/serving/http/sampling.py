@@ -21,6 +21,7 @@ from typing import Any
 from pydantic import BaseModel, field_validator
 from pydantic_core import PydanticCustomError
 
+from loraplane_server.engine.input_processor import CheckedPrompt
 from loraplane_server.errors import InvalidParameterError, InvalidPromptError
 from loraplane_server.sampling_params import SamplingParams
 from loraplane_server.serving.http.errors import UNICODE_ERROR, ApiError, api_error
@@ -29,10 +30,9 @@ from loraplane_server.serving.http.state import ServerState
 
 # prompts
 def encode(state: ServerState, text: str) -> list[int]:
+    """The engine's own encoding (its input processor: the server starts only with a tokenizer)."""
     engine, _ = state.require_engine()
-    if engine.tokenizer is None:
-        raise ApiError(400, f"{state.config.model_name} has no tokenizer: send token ids", code="no_tokenizer")
-    return engine.tokenizer.encode(text, add_special_tokens=False)
+    return engine.inputs.encode(text)
 
 
 def chat_prompt_ids(state: ServerState, messages: list[dict[str, str]]) -> list[int]:
@@ -43,7 +43,7 @@ def check_token_ids(state: ServerState, token_ids: list[int], param: str) -> lis
     """A token-id prompt, 400 unless every id is in the model's vocabulary (checked before anything decodes it)."""
     engine, _ = state.require_engine()
     try:
-        engine.check_token_ids(token_ids)
+        engine.inputs.check_token_ids(token_ids)
     except InvalidPromptError as exc:
         raise api_error(exc, param=param) from exc
     return token_ids
@@ -73,17 +73,18 @@ def chat_prompt(state: ServerState, messages: list[dict[str, str]]) -> str:
         ) from exc
 
 
-def check_budget(state: ServerState, ids: list[int], max_new: int | None, param: str) -> int:
-    """max_new (or what is left of the context when None); 400 when the prompt (the engine's checks, run
-    here before the request is built) or the total is too long."""
+def check_budget(state: ServerState, ids: list[int], max_new: int | None, param: str) -> tuple[CheckedPrompt, int]:
+    """The prompt as the engine's input processor checked it (its checks run here, before the request is
+    built: a 400 when they fail), and max_new (or what is left of the context when None); a 400 when the
+    total is too long."""
     engine, _ = state.require_engine()
     try:
-        engine.check_prompt(ids)
+        prompt = engine.inputs.check_prompt(ids)
     except InvalidPromptError as exc:
         raise api_error(exc) from exc
     limit, num_prompt = engine.max_model_len, len(ids)
     if max_new is None:
-        return limit - num_prompt
+        return prompt, limit - num_prompt
     if num_prompt + max_new > limit:
         raise ApiError(
             400,
@@ -93,7 +94,7 @@ def check_budget(state: ServerState, ids: list[int], max_new: int | None, param:
             param=param,
             code="context_length_exceeded",
         )
-    return max_new
+    return prompt, max_new
 
 
 # sampling

@@ -14,11 +14,12 @@ from fastapi import Request
 
 from loraplane_server.engine.async_engine import AsyncEngine
 from loraplane_server.engine.llm_engine import LLMEngine
+from loraplane_server.engine.snapshot import EngineSnapshot
 from loraplane_server.errors import AdapterLoadError, EngineShutdownError, RequestFailedError
 from loraplane_server.platforms.device import DeviceError
 from loraplane_server.platforms.torch_threads import engine_thread
 from loraplane_server.serving.http.errors import ApiError, Rejected, api_error
-from loraplane_server.serving.http.metrics import EngineSnapshot, Metrics, take_snapshot
+from loraplane_server.serving.http.metrics import Metrics
 from loraplane_server.serving.http.server_config import ServerConfig
 from loraplane_server.spec.draft import DraftModelError
 from loraplane_server.store.models import Progress, StartupListener
@@ -161,7 +162,7 @@ class ServerState:
             self._fail(f"{engine.model_dir} has no tokenizer; the HTTP API needs one")
             return
         self.engine = engine
-        engine.adapters.source_allow = self.config.allowlist  # binds every redirect of a remote source too
+        engine.adapters.allow_sources(self.config.allowlist)  # binds every redirect of a remote source too
         self.special_ids = frozenset(engine.tokenizer.all_special_ids)
         self.front = front
         self.model_progress.set_phase("ready")
@@ -172,8 +173,8 @@ class ServerState:
             "loraplane: %s ready (%s, %d KV blocks, %d adapters known)",
             self.config.model_name,
             engine.dtype,
-            engine.block_manager.num_blocks,
-            len(engine.adapters.records),
+            engine.inputs.kv.num_blocks,
+            engine.adapters.num_known,
         )
 
     def _fail(self, reason: str) -> None:
@@ -219,7 +220,7 @@ class ServerState:
 
     async def snapshot(self) -> EngineSnapshot:
         engine, _ = self.require_engine()
-        snap = await self.call(lambda: take_snapshot(engine, self._loads_seen))
+        snap = await self.call(lambda: engine.snapshot(self._loads_seen))
         self._loads_seen = snap.num_loads_seen
         return snap
 
