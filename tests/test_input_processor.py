@@ -9,7 +9,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from loraplane_server.config import EngineConfig
-from loraplane_server.engine.input_processor import CheckedPrompt, InputProcessor, KVCapacity
+from loraplane_server.engine.block_manager import BlockManager
+from loraplane_server.engine.input_processor import CheckedPrompt, InputProcessor
 from loraplane_server.errors import (
     EmptyPromptError,
     InvalidPromptError,
@@ -26,7 +27,12 @@ def processor(model_dir: Path | None, max_len: int = 64, blocks: int = 8, block_
     speculator = Speculator(EngineConfig(), max_len)  # no draft model
     vocab = len(tokenizer) if tokenizer is not None else 1000
     return InputProcessor(
-        tokenizer, model_dir or Path("/nowhere"), max_len, vocab, KVCapacity(blocks, block_size), speculator.method
+        tokenizer,
+        model_dir or Path("/nowhere"),
+        max_len,
+        vocab,
+        BlockManager(blocks, block_size, False),
+        speculator.method,
     )
 
 

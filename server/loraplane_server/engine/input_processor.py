@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from loraplane_server.engine.block_manager import BlockManager
 from loraplane_server.errors import (
     EmptyPromptError,
     InvalidPromptError,
@@ -39,15 +40,6 @@ class CheckedRequest:
     spec_method: str  # off | ngram | draft
 
 
-@dataclass(frozen=True)
-class KVCapacity:
-    num_blocks: int
-    block_size: int
-
-    def blocks_needed(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
-
-
 class InputProcessor:
     def __init__(
         self,
@@ -55,16 +47,17 @@ class InputProcessor:
         model_dir: Path,
         max_model_len: int,
         vocab_size: int,
-        kv: KVCapacity,
+        blocks: BlockManager,
         spec_method: Callable[[str | None], str],
     ) -> None:
         """tokenizer: a transformers tokenizer, or None (token-id prompts only); spec_method: the speculation
-        a request asking for one runs (refused where it cannot run here: the Speculator's `method`)."""
+        a request asking for one runs (refused where it cannot run here: the Speculator's `method`); blocks: the
+        engine's block manager, of which only the fixed size of the KV cache is read."""
         self.tokenizer = tokenizer
         self.model_dir = model_dir
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
-        self.kv = kv
+        self.blocks = blocks
         self.spec_method = spec_method
 
     def encode(self, text: str) -> list[int]:
@@ -97,8 +90,9 @@ class InputProcessor:
             ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
             self.check_prompt(ids)
         total = min(len(ids) + params.max_new_tokens, self.max_model_len)
-        if self.kv.blocks_needed(total) > self.kv.num_blocks:
+        blocks = self.blocks
+        if blocks.blocks_needed(total) > blocks.num_blocks:
             raise InvalidPromptError(
-                f"{total} tokens do not fit in the KV cache ({self.kv.num_blocks} blocks of {self.kv.block_size})"
+                f"{total} tokens do not fit in the KV cache ({blocks.num_blocks} blocks of {blocks.block_size})"
             )
         return CheckedRequest(ids, params, method)

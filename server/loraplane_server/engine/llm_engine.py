@@ -22,7 +22,7 @@ from loraplane_server.adapters.orchestrator import AdapterOrchestrator
 from loraplane_server.adapters.slot_table import SlotTable
 from loraplane_server.config import CPU_KV_CACHE_BYTES, EngineConfig
 from loraplane_server.engine.block_manager import BlockManager
-from loraplane_server.engine.input_processor import CheckedPrompt, InputProcessor, KVCapacity
+from loraplane_server.engine.input_processor import CheckedPrompt, InputProcessor
 from loraplane_server.engine.scheduler import Scheduler
 from loraplane_server.engine.snapshot import EngineSnapshot, take_snapshot
 from loraplane_server.errors import (
@@ -185,7 +185,7 @@ class LLMEngine:
             self.model_dir,
             self.max_model_len,
             model.args.vocab_size,
-            KVCapacity(num_blocks, config.block_size),
+            self.block_manager,
             self.speculator.method,
         )
         self.eos_token_ids = _eos_ids(self.model_dir, hf_config)

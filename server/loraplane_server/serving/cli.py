@@ -305,7 +305,7 @@ def cmd_chat(a: argparse.Namespace) -> int:
         return 1
     history: list[dict[str, str]] = []
     prompts = [a.prompt] if a.prompt else None
-    print(f"loraplane: {a.model} ({engine.dtype}), {engine.inputs.kv.num_blocks} KV blocks", file=sys.stderr)
+    print(f"loraplane: {a.model} ({engine.dtype}), {engine.inputs.blocks.num_blocks} KV blocks", file=sys.stderr)
     while True:
         if prompts is not None:
             if not prompts:

@@ -41,7 +41,7 @@ class Speculator:
         self.max_step_tokens = config.speculative_max_step_tokens
         self.max_model_len = max_model_len
         self.draft = draft
-        self.draft_max_len = min(max_model_len, draft.max_positions) if draft is not None else max_model_len
+        self.draft_max_len = draft.max_positions if draft is not None else max_model_len  # within max_model_len
         self.draft_policy: DraftPolicy | None = None
         if draft is not None:
             self.draft_policy = DraftPolicy(

@@ -173,7 +173,7 @@ class ServerState:
             "loraplane: %s ready (%s, %d KV blocks, %d adapters known)",
             self.config.model_name,
             engine.dtype,
-            engine.inputs.kv.num_blocks,
+            engine.inputs.blocks.num_blocks,
             engine.adapters.num_known,
         )
 
