@@ -1,4 +1,5 @@
-"""One container of a pod as a local process: start, exit bookkeeping, restart backoff, probes, status."""
+"""One container of a pod as a local process: start, exit bookkeeping, restart backoff, probes, status; and an
+init container, which runs to completion before the others."""
 
 from __future__ import annotations
 
@@ -182,6 +183,33 @@ class Container:
                 if probe_state is not readiness and probe_state.has_failed:  # liveness or startup
                     signal_group(process, signal.SIGKILL)  # the sync loop reaps it and restarts it
                     return
+
+
+class InitContainer(Container):
+    """An init container: no probes (the API refuses them), and ready only once it completed, as the kubelet says."""
+
+    def _start_probes(self, pod_ip: str, env: dict[str, str]) -> None:
+        self._stop_probes = threading.Event()  # a fresh event, so `reap` and `stop` work as for the others
+
+    @property
+    def has_completed(self) -> bool:
+        """Exited 0 and not to be run again: the next init container (or the pod's containers) may start."""
+        return self._final_exit_code() == 0
+
+    @property
+    def has_failed(self) -> bool:
+        """Exited non-zero and no restart is due (restartPolicy Never): the pod has failed."""
+        return self._final_exit_code() not in (None, 0)
+
+    def _final_exit_code(self) -> int | None:
+        """The last run's exit code once it is neither running nor waiting to run again."""
+        if self.process is not None or self.waiting is not None or self.terminated is None:
+            return None
+        return int(self.terminated["exitCode"])
+
+    @property
+    def is_ready(self) -> bool:
+        return self.has_completed
 
 
 def _read_from(path: Path, start: int) -> bytes:

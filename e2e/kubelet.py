@@ -253,7 +253,7 @@ class ProcessKubelet:
         deadline = time.monotonic() + SHUTDOWN_GRACE_SECONDS
         runtimes = list(self._runtimes.values())
         for runtime in runtimes:
-            for container in runtime.containers:
+            for container in runtime.all_containers:
                 if container.process is not None:
                     signal_group(container.process, signal.SIGTERM)
         for runtime in runtimes:

@@ -15,11 +15,12 @@ from typing import Any
 import pytest
 
 from e2e.api import ApiError
+from e2e.cluster import LocalCluster
 from e2e.container import MAX_LOG_BYTES, MAX_LOG_LINES
 from e2e.container_env import ConfigError, build_env, expand, field_value
 from e2e.kubectl import Kubectl, wait_until
 from e2e.node import NodeConfig, unfit_reason
-from e2e.pod_runtime import PodRuntime, image_repository
+from e2e.pod_runtime import SIDECAR_UNSUPPORTED, PodRuntime, image_repository
 from e2e.probe import ProbeState
 from e2e.volumes import (
     PROVISIONER,
@@ -404,6 +405,170 @@ def test_termination_message_file_is_read_at_its_translated_path(tmp_path: Path)
     assert not Path("/run/why").exists()
 
 
+# init containers
+
+
+def _pod_with_init(init: list[dict[str, Any]], main: dict[str, Any], restart_policy: str) -> dict[str, Any]:
+    spec = {"restartPolicy": restart_policy, "initContainers": init, "containers": [main]}
+    return {**POD, "spec": {**spec, "volumes": [{"name": "cache", "emptyDir": {}}]}}
+
+
+def _condition(status: dict[str, Any], kind: str) -> dict[str, Any]:
+    return next(c for c in status["conditions"] if c["type"] == kind)
+
+
+def _sync_until(runtime: PodRuntime, pod: dict[str, Any], check: Any, what: str, resolve: Any = None) -> Any:
+    """Syncs the pod until `check()` returns something truthy (returned)."""
+
+    def synced() -> Any:
+        runtime.sync(pod, _env_builder, resolve)
+        return check()
+
+    return wait_until(synced, 30, what, interval=0.1)
+
+
+def test_init_container_fills_an_empty_dir_before_the_container_starts(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    fetch = (
+        "import sys, time; time.sleep(0.5); open('runs', 'a').write('run\\n'); open(sys.argv[1], 'w').write('weights')"
+    )
+    init = {
+        "name": "pull",
+        "command": [sys.executable, "-c", fetch],
+        "args": ["$(TARGET)"],
+        "env": [{"name": "TARGET", "value": "/models/m"}],
+        "workingDir": "/models",
+        "volumeMounts": [{"name": "cache", "mountPath": "/models"}],
+    }
+    serve = "import sys; print('serving ' + open(sys.argv[1]).read())"  # exits 1 had it run before the file existed
+    main = {
+        "name": "server",
+        "command": [sys.executable, "-c", serve, "/srv/m"],
+        "volumeMounts": [{"name": "cache", "mountPath": "/srv"}],
+    }
+    pod = _pod_with_init([init], main, "Always")
+    runtime = PodRuntime(pod, "127.9.9.9", tmp_path / "pod", {})
+    resolve = lambda pod: {"cache": cache}  # noqa: E731
+    try:
+        runtime.sync(pod, _env_builder, resolve)
+        status = runtime.status()
+        initialized = _condition(status, "Initialized")
+        assert (status["phase"], initialized["status"], initialized["reason"]) == (
+            "Pending",
+            "False",
+            "ContainersNotInitialized",
+        )
+        assert initialized["message"] == "containers with incomplete status: [pull]"
+        [pulling] = status["initContainerStatuses"]
+        assert "running" in pulling["state"] and not pulling["ready"]
+        assert status["containerStatuses"][0]["state"] == {"waiting": {"reason": "PodInitializing"}}
+        assert runtime.containers[0].process is None
+
+        server = runtime.containers[0]  # Always: restarted after it exits, but the init container is not rerun
+        _sync_until(runtime, pod, lambda: server.restart_count >= 1 and server.process is None, "restart", resolve)
+        status = runtime.status()
+        [pulled] = status["initContainerStatuses"]
+        assert pulled["state"]["terminated"]["exitCode"] == 0 and pulled["state"]["terminated"]["reason"] == "Completed"
+        assert pulled["ready"] and pulled["restartCount"] == 0
+        initialized = _condition(status, "Initialized")
+        assert initialized["status"] == "True" and "reason" not in initialized
+        assert status["containerStatuses"][0]["lastState"]["terminated"]["exitCode"] == 0
+        assert (cache / "runs").read_text() == "run\n"
+        assert (tmp_path / "pod" / "pull.log").exists()
+        served = (tmp_path / "pod" / "server.log").read_text().splitlines()
+        assert len(served) >= 2 and set(served) == {"serving weights"}
+    finally:
+        runtime.stop(5.0)
+
+
+def test_a_failing_init_container_is_retried_and_holds_the_containers_back(tmp_path: Path) -> None:
+    marker = tmp_path / "model-ready"
+    fetch = (
+        "import os, sys; ok = os.path.exists(sys.argv[1]); print('ok' if ok else 'no model yet'); sys.exit(3 - 3 * ok)"
+    )
+    init = {
+        "name": "pull",
+        "command": [sys.executable, "-c", fetch, str(marker)],
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+    }
+    main = {"name": "server", "command": [sys.executable, "-c", "import time; time.sleep(60)"]}
+    pod = _pod_with_init([init], main, "Always")
+    runtime = PodRuntime(pod, "127.9.9.10", tmp_path / "pod", {})
+
+    def backing_off() -> dict[str, Any] | None:
+        status = runtime.status()["initContainerStatuses"][0]
+        return status if status["restartCount"] >= 1 and "waiting" in status["state"] else None
+
+    try:
+        pulling = _sync_until(runtime, pod, backing_off, "a retried init container in back-off")
+        assert pulling["state"]["waiting"]["reason"] == "CrashLoopBackOff" and not pulling["ready"]
+        terminated = pulling["lastState"]["terminated"]
+        assert (terminated["exitCode"], terminated["reason"], terminated["message"]) == (3, "Error", "no model yet\n")
+        status = runtime.status()
+        assert status["phase"] == "Pending" and _condition(status, "Initialized")["status"] == "False"
+        assert status["containerStatuses"][0]["state"] == {"waiting": {"reason": "PodInitializing"}}
+        assert runtime.containers[0].started_at is None
+
+        marker.touch()
+        _sync_until(runtime, pod, lambda: runtime.phase() == "Running", "the server running once init succeeded")
+        pulled = runtime.status()["initContainerStatuses"][0]
+        assert pulled["state"]["terminated"]["reason"] == "Completed" and pulled["ready"]
+        assert pulled["restartCount"] >= 1 and "message" not in pulled["state"]["terminated"]
+        assert _condition(runtime.status(), "Initialized")["status"] == "True"
+    finally:
+        runtime.stop(5.0)
+
+
+def test_a_failed_init_container_fails_a_never_pod_and_nothing_after_it_runs(tmp_path: Path) -> None:
+    write = "import sys; open(sys.argv[1], 'w').write('bad model uri'); sys.exit(2)"
+    first = {"name": "pull", "command": [sys.executable, "-c", write, "/dev/termination-log"]}
+    second = {"name": "link", "command": [sys.executable, "-c", "open('link-ran', 'w')"]}
+    main = {"name": "server", "command": [sys.executable, "-c", "open('server-ran', 'w')"]}
+    pod = _pod_with_init([first, second], main, "Never")
+    runtime = PodRuntime(pod, "127.9.9.11", tmp_path, {})
+    _sync_until(runtime, pod, lambda: runtime.phase() == "Failed", "the pod Failed")
+    time.sleep(1.5)  # a retry would have come after a 1 s back-off
+    runtime.sync(pod, _env_builder, None)
+    status = runtime.status()
+    assert status["phase"] == "Failed"
+    pull, link = status["initContainerStatuses"]
+    terminated = pull["state"]["terminated"]
+    assert (terminated["exitCode"], terminated["reason"], terminated["message"]) == (2, "Error", "bad model uri")
+    assert pull["restartCount"] == 0 and not pull["ready"]
+    assert link["state"] == {"waiting": {"reason": "PodInitializing"}}
+    assert status["containerStatuses"][0]["state"] == {"waiting": {"reason": "PodInitializing"}}
+    assert _condition(status, "Initialized")["message"] == "containers with incomplete status: [pull link]"
+    assert not (tmp_path / "link-ran").exists() and not (tmp_path / "server-ran").exists()
+
+
+def test_stopping_a_pod_during_init_stops_the_init_container(tmp_path: Path) -> None:
+    init = {"name": "pull", "command": [sys.executable, "-c", "import time; time.sleep(60)"]}
+    main = {"name": "server", "command": [sys.executable, "-c", "open('server-ran', 'w')"]}
+    pod = _pod_with_init([init], main, "Always")
+    runtime = PodRuntime(pod, "127.9.9.12", tmp_path, {})
+    runtime.sync(pod, _env_builder, None)
+    process = runtime.init_containers[0].process
+    assert process is not None and process.poll() is None
+    started = time.monotonic()
+    runtime.stop(5.0)
+    assert time.monotonic() - started < 5.0 and process.poll() is not None
+    runtime.sync(pod, _env_builder, None)  # a sync that races the deletion starts nothing
+    assert runtime.containers[0].process is None and not (tmp_path / "server-ran").exists()
+
+
+def test_a_sidecar_init_container_is_refused_rather_than_waited_for(tmp_path: Path) -> None:
+    sidecar = {"name": "proxy", "restartPolicy": "Always", "command": [sys.executable, "-c", "open('ran', 'w')"]}
+    main = {"name": "server", "command": [sys.executable, "-c", "open('server-ran', 'w')"]}
+    pod = _pod_with_init([sidecar], main, "Always")
+    runtime = PodRuntime(pod, "127.9.9.13", tmp_path, {})
+    runtime.sync(pod, _env_builder, None)
+    status = runtime.status()
+    waiting = status["initContainerStatuses"][0]["state"]["waiting"]
+    assert waiting == {"reason": "CreateContainerError", "message": SIDECAR_UNSUPPORTED}
+    assert status["phase"] == "Pending" and runtime.init_containers[0].process is None
+    assert not (tmp_path / "ran").exists() and not (tmp_path / "server-ran").exists()
+
+
 # a claim on the real control plane
 
 
@@ -463,3 +628,70 @@ def test_a_claim_binds_through_the_pv_controller_and_pods_share_it(kubectl: Kube
     wait_until(lambda: not host.exists(), 60, "the released volume's directory removed")
     with pytest.raises(Exception, match="NotFound|not found"):
         get("pv", volume["metadata"]["name"])
+
+
+# init containers on the real control plane
+
+
+@pytest.mark.e2e
+def test_init_containers_on_the_kubelet_as_kubectl_shows_them(
+    kubectl: Kubectl, cluster: LocalCluster, namespace: str, tmp_path: Path
+) -> None:
+    marker, pid_file = tmp_path / "model-ready", tmp_path / "init.pid"
+    fetch = (
+        "import os, sys; ok = os.path.exists(sys.argv[1]); print('ok' if ok else 'no model yet'); "
+        "ok and open(sys.argv[2], 'w').write('weights'); sys.exit(0 if ok else 3)"
+    )
+    serve = "import sys, time; print('serving ' + open(sys.argv[1]).read(), flush=True); time.sleep(600)"
+    never_ran = tmp_path / "never-server-ran"
+    wait_forever = "import os, sys, time; open(sys.argv[1], 'w').write(str(os.getpid())); time.sleep(600)"
+    pods = {
+        "always": (
+            "Always",
+            [sys.executable, "-c", fetch, str(marker), "/cache/m"],
+            [sys.executable, "-c", serve, "/cache/m"],
+        ),
+        "never": ("Never", [sys.executable, "-c", "import sys; sys.exit(1)"], ["touch", str(never_ran)]),
+        "slow": ("Always", [sys.executable, "-c", wait_forever, str(pid_file)], ["touch", str(never_ran)]),
+    }
+    for name, (policy, init_command, command) in pods.items():
+        mounts = [{"name": "cache", "mountPath": "/cache"}]
+        init = {"name": "pull", "image": "loraplane", "command": init_command, "volumeMounts": mounts}
+        init["terminationMessagePolicy"] = "FallbackToLogsOnError"
+        main = {"name": "server", "image": "loraplane", "command": command, "volumeMounts": mounts}
+        spec = {"restartPolicy": policy, "terminationGracePeriodSeconds": 5, "initContainers": [init]}
+        spec.update(containers=[main], volumes=[{"name": "cache", "emptyDir": {}}])
+        kubectl.apply({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name}, "spec": spec}, namespace)
+
+    def printed(name: str) -> str:
+        """The STATUS column of `kubectl get pod` (the API server's table, derived from initContainerStatuses)."""
+        return kubectl("get", "pod", name, "-n", namespace, "--no-headers").split()[2]
+
+    def pod(name: str) -> dict[str, Any]:
+        return dict(kubectl.json("get", "pod", name, "-n", namespace))
+
+    wait_until(lambda: printed("never") == "Init:Error", 30, "never: Init:Error")
+    status = pod("never")["status"]
+    assert status["phase"] == "Failed" and status["initContainerStatuses"][0]["state"]["terminated"]["exitCode"] == 1
+    assert status["containerStatuses"][0]["state"] == {"waiting": {"reason": "PodInitializing"}}
+
+    wait_until(lambda: printed("always") == "Init:CrashLoopBackOff", 30, "always: Init:CrashLoopBackOff")
+    status = pod("always")["status"]
+    initialized = _condition(status, "Initialized")
+    assert (status["phase"], initialized["status"], initialized["reason"]) == (
+        "Pending",
+        "False",
+        "ContainersNotInitialized",
+    )
+    assert status["initContainerStatuses"][0]["lastState"]["terminated"]["message"] == "no model yet\n"
+    marker.touch()
+    wait_until(lambda: printed("always") == "Running", 30, "always: Running once init succeeded")
+    wait_until(lambda: cluster.pod_log(namespace, "always", "server") == "serving weights\n", 10, "the server's log")
+    assert pod("always")["status"]["initContainerStatuses"][0]["restartCount"] >= 1
+
+    assert wait_until(lambda: printed("slow") == "Init:0/1" and pid_file.exists(), 30, "slow: Init:0/1")
+    pid = int(pid_file.read_text())
+    kubectl("delete", "pod", "slow", "-n", namespace, "--wait=true", timeout=60)
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    assert not never_ran.exists()
