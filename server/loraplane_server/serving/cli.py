@@ -3,15 +3,23 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 import time
+import uuid
+from pathlib import Path
 
 from loraplane_server.config import EngineConfig, check_device_name
 from loraplane_server.sampling_params import SamplingParams
 
+# the last stderr line of a start that failed (serve, chat, pull): the operator reads the reason after it from
+# a pod's termination message (operator/loraplane_operator/constants.py holds the same string)
+FAILURE_PREFIX = "loraplane: failed to start: "
 
-def _engine_args(p: argparse.ArgumentParser) -> None:
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    """The model's source and cache: one set of flags for serve, chat and pull, so they resolve alike."""
     p.add_argument(
         "--model",
         default="smollm2-135m",
@@ -23,7 +31,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         default=os.environ.get("LORAPLANE_MODEL_CACHE") or None,
         metavar="DIR",
         help="where downloaded and converted models live, shared safely by several processes "
-        "(default: $LORAPLANE_MODEL_CACHE, else <user cache>/loraplane/models)",
+        "(default: $LORAPLANE_MODEL_CACHE, else <user cache>/loraplane/models); hf:// models go to the "
+        "Hugging Face hub cache: $HF_HUB_CACHE, else $HF_HOME/hub, else DIR/hub when this is given, else "
+        "~/.cache/huggingface/hub",
     )
     p.add_argument(
         "--offline",
@@ -31,6 +41,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         default=_env_flag("HF_HUB_OFFLINE"),
         help="use the model cache only, never download (default: on when HF_HUB_OFFLINE=1)",
     )
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    _model_args(p)
     p.add_argument(
         "--device",
         default="auto",
@@ -301,7 +315,7 @@ def cmd_chat(a: argparse.Namespace) -> int:
     try:
         engine = LLMEngine(config)
     except (ModelSourceError, DraftModelError, DeviceError) as exc:  # says what to fix: no traceback
-        print(f"loraplane: failed to start: {exc}", file=sys.stderr)
+        print(f"{FAILURE_PREFIX}{exc}", file=sys.stderr)
         return 1
     history: list[dict[str, str]] = []
     prompts = [a.prompt] if a.prompt else None
@@ -324,6 +338,65 @@ def cmd_chat(a: argparse.Namespace) -> int:
         print(out.text)
         rate = len(out.token_ids) / (time.monotonic() - start)
         print(f"[{len(out.token_ids)} tokens, {rate:.1f} tokens/s, {out.finish_reason}]", file=sys.stderr)
+
+
+def cmd_pull(a: argparse.Namespace) -> int:
+    """Resolve --model into the model cache as serve does, load nothing, print the directory: a vLLM pod's init
+    container, which leaves the model on the shared volume and (--link) a stable path `vllm serve` loads.
+    A failure ends stderr with serve's FAILURE_PREFIX line, so the pod's termination message carries it."""
+    import traceback
+
+    from loraplane_server.store.models import default_cache_dir, resolve_model
+    from loraplane_server.store.sources import ModelSourceError, scrub_secrets
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cache = os.path.abspath(os.path.expanduser(a.model_cache)) if a.model_cache else None
+    try:
+        model_dir = resolve_model(EngineConfig(model=a.model, model_cache=cache, offline=a.offline))
+        if a.link:
+            target = _link(Path(a.link), model_dir, Path(cache) if cache else default_cache_dir())
+            print(f"loraplane pull: {a.link} -> {target}", file=sys.stderr)
+    except ModelSourceError as exc:  # says what to fix: no traceback
+        reason = str(exc)
+    except OSError as exc:  # the link: a directory in the way, no permission
+        reason = f"--link {a.link}: {exc.strerror or exc}"
+    except Exception as exc:  # noqa: BLE001 - any failure ends the pull with its reason as the last line
+        logging.getLogger("loraplane.model").error("the pull failed\n%s", scrub_secrets(traceback.format_exc()))
+        reason = f"{type(exc).__name__}: {exc}"
+    else:
+        print(model_dir, flush=True)
+        return 0
+    logging.shutdown()  # flush the log first: the reason is the last line on stderr
+    print(f"{FAILURE_PREFIX}{scrub_secrets(' '.join(reason.split()))}", file=sys.stderr, flush=True)
+    return 1
+
+
+def _link(link: Path, model_dir: Path, root: Path) -> str:
+    """Point link at model_dir in one rename (a symlink made under a temporary name, then os.replace), so a
+    reader sees the old target or the new one, never none. The target is relative when both lie under root (the
+    model cache), so the link holds wherever the volume is mounted. Returns the target written."""
+    link = Path(os.path.abspath(link))
+    link.parent.mkdir(parents=True, exist_ok=True)
+    real_root, real_dir, real_parent = (Path(os.path.realpath(p)) for p in (root, model_dir, link.parent))
+    inside = real_parent.is_relative_to(real_root)
+    if inside and real_dir.is_relative_to(real_root):
+        target = os.path.relpath(real_dir, real_parent)
+    else:
+        target = os.path.abspath(model_dir)
+        if inside:
+            print(
+                f"loraplane pull: warning: {target} lies outside the model cache {root} (for hf://, HF_HUB_CACHE "
+                "or HF_HOME chose it): a container that mounts only the cache will not find it",
+                file=sys.stderr,
+            )
+    tmp = link.with_name(f".{link.name}.{uuid.uuid4().hex[:8]}.tmp")
+    os.symlink(target, tmp, target_is_directory=True)
+    try:
+        os.replace(tmp, link)
+    except OSError:
+        tmp.unlink()
+        raise
+    return target
 
 
 def cmd_operator(a: argparse.Namespace) -> int:
@@ -355,6 +428,13 @@ def _router_args(p: argparse.ArgumentParser) -> None:
         "--spill-queue", type=int, default=8, help="widen a hot adapter to its next pod at this many requests a pod"
     )
     p.add_argument("--poll-seconds", type=float, default=1.0, help="how often residency and load are read")
+    p.add_argument(
+        "--engine",
+        choices=["loraplane", "vllm"],
+        default="loraplane",
+        help="the pods' engine: loraplane servers, or vllm serve pods (residency from /v1/models; an adapter "
+        "goes only to the pods holding it; $LORAPLANE_ADMIN_TOKEN is then vLLM's --api-key)",
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -378,6 +458,7 @@ def cmd_router(a: argparse.Namespace) -> int:
             min_bound=a.min_bound,
             spill_queue=a.spill_queue,
             poll_s=a.poll_seconds,
+            engine=a.engine,
         )
     except ValueError as exc:
         print(f"loraplane router: {exc}", file=sys.stderr)
@@ -398,6 +479,15 @@ def main(argv: list[str] | None = None) -> int:
     _engine_args(serve)
     _serve_args(serve)
     serve.set_defaults(func=cmd_serve)
+    pull = sub.add_parser("pull", help="fetch --model into the model cache as serve would, print its directory")
+    _model_args(pull)
+    pull.add_argument(
+        "--link",
+        metavar="PATH",
+        help="also point PATH at the model's directory (a symlink swapped in atomically, relative inside the "
+        "model cache), e.g. <cache>/served/<server name> for a vLLM server pod to load",
+    )
+    pull.set_defaults(func=cmd_pull)
     router = sub.add_parser("router", help="route requests across a server pool by adapter")
     _router_args(router)
     router.set_defaults(func=cmd_router)

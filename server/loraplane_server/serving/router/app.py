@@ -7,6 +7,9 @@ started it streams through as it comes (SSE included), and a client that hangs u
 request, so the pod aborts it. Every routed answer names its pod (`x-loraplane-pod`). Adapter admin is per pod
 and not routed (404 with a hint). The router's own /health, /ready (some pod Ready) and /metrics
 (serving/router/metrics.py; the pods' own metrics are scraped from the pods).
+
+`engine` is the pods' kind: our servers, or vLLM pods (residency and load read from vLLM's routes; an adapter
+goes only to the pods holding it, as a vLLM pod cannot load one on demand).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from starlette.routing import Route
 
 from loraplane_server.serving.router.choice import MIN_BOUND, TIER_ORDER, PodView, Spill, choose
 from loraplane_server.serving.router.metrics import RouterMetrics
-from loraplane_server.serving.router.pool import KubePods, Pool, static_targets
+from loraplane_server.serving.router.pool import ENGINES, KubePods, Pool, static_targets
 
 log = logging.getLogger("loraplane.router")
 
@@ -64,6 +67,7 @@ class RouterConfig:
     max_tries: int = 3  # pods tried before the first byte
     connect_timeout_s: float = 2.0
     adapter_labels: int = 64  # adapters with their own metric series (the busiest)
+    engine: str = "loraplane"  # the pods' engine kind: loraplane or vllm (admin_token: vLLM's --api-key)
 
     def __post_init__(self) -> None:
         if bool(self.pods) == bool(self.selector):
@@ -74,6 +78,8 @@ class RouterConfig:
             raise ValueError("epsilon >= 0, min_bound >= 1, spill_queue >= 1, poll_s > 0 and max_tries >= 1")
         if self.adapter_labels < 0:
             raise ValueError("adapter_labels >= 0")
+        if self.engine not in ENGINES:
+            raise ValueError(f"--engine {self.engine!r}: expected one of {', '.join(ENGINES)}")
 
 
 def adapter_of(path: str, body: bytes, base_models: set[str]) -> str | None:
@@ -97,7 +103,7 @@ class Router:
         self.config, self.http = config, http
         kube = KubePods(config.namespace or "", config.selector, config.pod_port) if config.selector else None
         static = static_targets(config.pods) if config.pods else None
-        self.pool = Pool(http, static=static, kube=kube, admin_token=config.admin_token)
+        self.pool = Pool(http, static=static, kube=kube, admin_token=config.admin_token, engine=config.engine)
         self.spill = Spill(queue_threshold=config.spill_queue)
         self.metrics = RouterMetrics(config.adapter_labels)
         self.metrics.watch_pool(lambda: len(self.pool.pods), lambda: self.spill.widths)
@@ -108,7 +114,8 @@ class Router:
         width = 1
         if adapter_id is not None:
             width = self._observe(adapter_id, pods, time.monotonic())
-        return choose(adapter_id, pods, width, self.config.epsilon, self.config.min_bound)
+        on_demand = self.pool.loads_on_demand
+        return choose(adapter_id, pods, width, self.config.epsilon, self.config.min_bound, on_demand=on_demand)
 
     def _observe(self, adapter_id: str, pods: list[PodView], now: float) -> int:
         before = self.spill.spills
@@ -123,7 +130,11 @@ class Router:
             self._observe(adapter_id, pods, now)
 
     async def learn_base_models(self) -> None:
-        """The base model's names, from a pod's /v1/models (entries with no parent)."""
+        """The base model's names, from a pod's /v1/models (entries with no parent); on vLLM pods the poll reads
+        that route already."""
+        if self.pool.base_models:
+            self.base_models = set(self.pool.base_models)
+            return
         for pod in self.pool.ready():
             try:
                 response = await self.http.get(f"{pod.url}/v1/models", timeout=self.config.connect_timeout_s)
@@ -192,7 +203,7 @@ class Router:
 
 
 def tier_name(pod: PodView, adapter_id: str | None) -> str:
-    """The metric's tier label: base (no adapter), device, host, disk or none (not resident)."""
+    """The metric's tier label: base (no adapter), device, host, disk, loaded (vLLM) or none (not resident)."""
     if adapter_id is None:
         return "base"
     tier = pod.residency.get(adapter_id, "")

@@ -11,6 +11,11 @@ A pod is under the bound when one more request keeps it within (1 + epsilon) x t
 under, the least loaded come first, so some pod always takes the request. The order past the first pick is where a
 request goes if the first pod cannot be reached. `Spill` widens a hot adapter's home to the next pods in its
 ranking and narrows it back.
+
+A pool that cannot load an adapter on demand (vLLM pods answer 404 for one they were not loaded with): while
+some pod holds the adapter, only the pods holding it are in the order, as above among themselves (a widened
+home thus spreads over the home pods that hold it, never onto one without it); while none holds it, every pod
+is, as above (the first answers its 404).
 """
 
 from __future__ import annotations
@@ -21,7 +26,8 @@ from dataclasses import dataclass, field
 
 from loraplane_server.serving.router.ranking import rank
 
-TIER_ORDER = {"device": 0, "host": 1, "disk": 2}  # any other tier (source, none): not resident
+# any other tier (source, none): not resident; loaded: a vLLM pod's adapter, in memory (vLLM does not say where)
+TIER_ORDER = {"device": 0, "host": 1, "loaded": 1, "disk": 2}
 
 
 @dataclass
@@ -74,9 +80,15 @@ def load_bound(pods: Sequence[PodView], epsilon: float, floor: int = MIN_BOUND) 
 
 
 def choose(
-    adapter_id: str | None, pods: Sequence[PodView], width: int, epsilon: float, floor: int = MIN_BOUND
+    adapter_id: str | None,
+    pods: Sequence[PodView],
+    width: int,
+    epsilon: float,
+    floor: int = MIN_BOUND,
+    on_demand: bool = True,
 ) -> list[PodView]:
-    """Every pod, best first, for one request for `adapter_id` (None: the base model, least loaded first)."""
+    """Every pod, best first, for one request for `adapter_id` (None: the base model, least loaded first);
+    `on_demand` False: only the pods holding the adapter, when any does (the pods cannot load it)."""
     if not pods:
         return []
     if adapter_id is None:
@@ -99,7 +111,10 @@ def choose(
         spread = pod.load + (MISS_COST if pod.rank_of(adapter_id) > 1 else 0) if spilled and is_home else 0
         return (False, 0, group, spread, pod.rank_of(adapter_id), pod.load if is_home else 0, position)
 
-    return [pod for _, pod in sorted(enumerate(ranked), key=key)]
+    order = [pod for _, pod in sorted(enumerate(ranked), key=key)]
+    if not on_demand and any(p.holds(adapter_id) for p in order):
+        order = [p for p in order if p.holds(adapter_id)]
+    return order
 
 
 @dataclass

@@ -21,8 +21,9 @@ from prometheus_client.registry import Collector
 
 from loraplane_server.serving.bounded_labels import OTHER, BoundedLabels
 
-TIERS = ("device", "host", "disk", "none", "base")  # the tier the request's adapter had on its pod when routed
-RESIDENT_TIERS = frozenset({"device", "host", "disk"})
+# the tier the request's adapter had on its pod when routed (loaded: on a vLLM pod, which does not say where)
+TIERS = ("device", "host", "disk", "loaded", "none", "base")
+RESIDENT_TIERS = frozenset({"device", "host", "disk", "loaded"})
 POD_SERIES_TTL_S = 300.0
 
 

@@ -2,8 +2,13 @@
 
 Pods come from a fixed list of URLs, or from the Kubernetes API (the Ready pods with an IP matching a label
 selector in one namespace, listed and then watched). Each poll (about every second) reads every pod's
-`/v1/adapters` (residency; the admin token when the servers have one) and `/metrics` (requests waiting and
-running) in parallel; a pod that does not answer drops out until it does. No operator is needed.
+residency (the admin token when the servers have one) and `/metrics` (requests waiting and running) in
+parallel; a pod that does not answer drops out until it does. No operator is needed.
+
+The engine kind says how: our servers' `/v1/adapters` (rows with tiers) and `loraplane_*` gauges, or vLLM's
+`/v1/models` (an entry with a parent is a loaded adapter, tier "loaded": vLLM does not say GPU or host) and
+`vllm:*` gauges. Our servers export vllm:* gauges too, so each engine reads only its own. A vLLM pod cannot
+load an adapter on demand: nothing it is sent counts as loading there, only what its /v1/models lists.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ log = logging.getLogger("loraplane.router")
 
 PENDING_S = 30.0  # an adapter sent to a pod counts as loading there until its residency shows it, this long at most
 LOAD_METRICS = ("loraplane_queue_depth", "loraplane_requests_running")
+VLLM_LOAD_METRICS = ("vllm:num_requests_waiting", "vllm:num_requests_running")
+ENGINES = ("loraplane", "vllm")  # the server pods' engine kind (a BaseModelServer's spec.engine.kind)
 
 
 @dataclass(frozen=True)
@@ -160,14 +167,19 @@ class Pool:
         kube: KubePods | None = None,
         admin_token: str | None = None,
         timeout_s: float = 1.0,
+        engine: str = "loraplane",
     ) -> None:
         if (static is None) == (kube is None):
             raise ValueError("a pool takes either a list of pods or a Kubernetes selector")
-        self.http, self.static, self.kube = http, static, kube
+        if engine not in ENGINES:
+            raise ValueError(f"engine {engine!r}: expected one of {', '.join(ENGINES)}")
+        self.http, self.static, self.kube, self.engine = http, static, kube, engine
+        self.loads_on_demand = engine == "loraplane"  # our server loads any adapter it is sent; vLLM 404s
         self.headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
         self.timeout_s = timeout_s
         self.pods: dict[str, PodView] = {}
         self.polls = 0
+        self.base_models: set[str] = set()  # vllm: the /v1/models entries without a parent, as last polled
 
     def ready(self) -> list[PodView]:
         return list(self.pods.values())
@@ -196,6 +208,8 @@ class Pool:
         self.polls += 1
 
     async def _read(self, target: Target) -> PodView | None:
+        if self.engine == "vllm":
+            return await self._read_vllm(target)
         try:
             rows, metrics = await asyncio.gather(
                 self.http.get(f"{target.url}/v1/adapters", headers=self.headers, timeout=self.timeout_s),
@@ -213,6 +227,27 @@ class Pool:
         except (httpx.HTTPError, ValueError, KeyError, AttributeError) as exc:
             log.info("router: pod %s left out this round: %s", target.name, exc)
             return None
+
+    async def _read_vllm(self, target: Target) -> PodView | None:
+        """A vLLM pod: its loaded adapters from /v1/models (the admin token is its --api-key), its load from
+        vllm:num_requests_waiting + vllm:num_requests_running."""
+        try:
+            models, metrics = await asyncio.gather(
+                self.http.get(f"{target.url}/v1/models", headers=self.headers, timeout=self.timeout_s),
+                self.http.get(f"{target.url}/metrics", timeout=self.timeout_s),
+            )
+            models.raise_for_status()
+            metrics.raise_for_status()
+            entries = [m for m in models.json()["data"] if isinstance(m, dict)]
+            residency = {str(m["id"]): "loaded" for m in entries if m.get("parent") is not None}
+            bases = {str(m["id"]) for m in entries if m.get("parent") is None}
+            queued = _load(metrics.text, VLLM_LOAD_METRICS)
+        except (httpx.HTTPError, ValueError, KeyError, AttributeError, TypeError) as exc:
+            log.info("router: pod %s left out this round: %s", target.name, exc)
+            return None
+        if bases:
+            self.base_models = bases
+        return PodView(target.name, target.url, residency, queued=queued, others=queued)
 
     async def run(self, interval_s: float, stopped: asyncio.Event, after: Callable[[], None] | None = None) -> None:
         """Poll every `interval_s`, and at once when the Kubernetes watch reports a change; `after` each poll."""
@@ -235,27 +270,31 @@ class Pool:
             pod.in_flight += 1
 
     def sent(self, name: str, adapter_id: str) -> None:
-        """A request for `adapter_id` went to pod `name`: unless in memory there, the pod is loading it now."""
+        """A request for `adapter_id` went to pod `name`: unless in memory there, the pod is loading it now (our
+        server; a vLLM pod loads nothing on demand)."""
         pod = self.pods.get(name)
-        if pod is not None and pod.tier_of(adapter_id) >= 2:  # on its disk or not there: it loads it now
+        # on its disk or not there: it loads it now
+        if pod is not None and self.loads_on_demand and pod.tier_of(adapter_id) >= 2:
             pod.pending[adapter_id] = time.monotonic()
 
     def release(self, name: str, served: str | None = None) -> None:
         """A request on pod `name` ended; `served`: it was answered in full for that adapter, so the pod has
-        loaded it (in memory there until the next poll says otherwise)."""
+        loaded it (in memory there until the next poll says otherwise). A vLLM pod's residency is only what its
+        /v1/models lists."""
         pod = self.pods.get(name)
         if pod is None:
             return
         pod.in_flight = max(0, pod.in_flight - 1)
-        if served is not None and pod.tier_of(served) >= 2:
+        if served is not None and self.loads_on_demand and pod.tier_of(served) >= 2:
             pod.residency = {**pod.residency, served: "host"}
             pod.pending.pop(served, None)
 
 
-def _load(text: str) -> int:
-    """Requests waiting plus running, from a Prometheus text exposition."""
+def _load(text: str, names: tuple[str, ...] = LOAD_METRICS) -> int:
+    """Requests waiting plus running (the gauges `names`, summed over their label sets), from a Prometheus text
+    exposition."""
     total = 0.0
     for family in text_string_to_metric_families(text):
-        if family.name in LOAD_METRICS:
+        if family.name in names:
             total += sum(sample.value for sample in family.samples)
     return int(total)

@@ -2,12 +2,17 @@
 
 Kinds (parsed by sources/, which adapters share): a built-in name (converted once from its GGUF), a local
 directory (used in place), a local .gguf file (dequantized once), hf://org/repo[@revision][/subfolder] and
-s3://bucket/prefix. Whatever is downloaded or converted lives under one cache directory:
+s3://bucket/prefix. What is converted or fetched from S3 lives under one cache directory (--model-cache):
 
     <cache>/<built-in name>/            converted built-in models
     <cache>/gguf/<stem>-<key>/          converted GGUF files (key: absolute path, size, mtime)
-    <cache>/hub/                        huggingface_hub's own cache layout
     <cache>/s3/<bucket>/<prefix>/       S3 models (the prefix quoted into one path component), with a manifest
+    <cache>/served/<name>               links `loraplane pull --link` leaves (a vLLM pod's stable model path)
+
+hf:// models live in the standard Hugging Face hub cache (huggingface_hub's own layout), the one vLLM,
+transformers and huggingface-cli read and write, so each engine finds what another downloaded: HF_HUB_CACHE,
+else $HF_HOME/hub, else <cache>/hub when --model-cache is given (a shared volume holds them too), else
+huggingface_hub's default (~/.cache/huggingface/hub); see hf.hub_cache.
 
 Every entry appears atomically (a directory renamed into place), so a half-written model is never loaded,
 and a file lock per entry makes a second process on a shared volume wait ("waiting") for the first one's
@@ -22,8 +27,19 @@ May import: store.gguf_models, store.sources, executor.models, platforms.
 """
 
 from loraplane_server.store.models.entry import verify
+from loraplane_server.store.models.hf import HubCache, hub_cache
 from loraplane_server.store.models.progress import Progress, StartupListener
 from loraplane_server.store.models.resolver import default_cache_dir, resolve, resolve_model
 from loraplane_server.store.models.s3 import MANIFEST
 
-__all__ = ["MANIFEST", "Progress", "StartupListener", "default_cache_dir", "resolve", "resolve_model", "verify"]
+__all__ = [
+    "MANIFEST",
+    "HubCache",
+    "Progress",
+    "StartupListener",
+    "default_cache_dir",
+    "hub_cache",
+    "resolve",
+    "resolve_model",
+    "verify",
+]

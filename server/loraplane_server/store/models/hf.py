@@ -1,8 +1,13 @@
-"""hf:// models: huggingface_hub's snapshot_download into <cache>/hub, config.json checked before the shards."""
+"""hf:// models: huggingface_hub's snapshot_download into the standard Hugging Face hub cache (`hub_cache`:
+HF_HUB_CACHE, $HF_HOME/hub, <--model-cache>/hub or huggingface_hub's default), so a model that vLLM,
+transformers or huggingface-cli downloaded is used as it is, and one this server downloads serves them too;
+config.json checked before the shards."""
 
 from __future__ import annotations
 
 import contextlib
+import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -11,39 +16,64 @@ from loraplane_server.store.models.progress import Progress
 from loraplane_server.store.sources import MODEL_FILESET, ModelSourceError, Source, hf_endpoint, hf_reason, hf_token
 
 
-def resolve_hf(source: Source, hub: Path, offline: bool, progress: Progress) -> Path:
-    """huggingface_hub's snapshot_download into <cache>/hub. It writes each blob to a temporary file that it
+@dataclass(frozen=True)
+class HubCache:
+    """Where hf:// models live, and what chose that place (an offline miss names both, so the fix is plain)."""
+
+    path: Path
+    origin: str  # "set by HF_HUB_CACHE" | "set by HF_HOME" | "under --model-cache" | "huggingface_hub's default"
+
+
+def hub_cache(model_cache: Path | None) -> HubCache:
+    """The hub cache huggingface_hub itself would use, so every engine on the machine (or pod) shares one copy:
+    HF_HUB_CACHE, else $HF_HOME/hub, else <model_cache>/hub when a model cache was given explicitly (a shared
+    volume keeps its documented layout), else $XDG_CACHE_HOME/huggingface/hub or ~/.cache/huggingface/hub.
+    Read at each call: huggingface_hub reads these once, at its import."""
+    env = {name: os.path.expandvars(os.environ.get(name, "").strip()) for name in ("HF_HUB_CACHE", "HF_HOME")}
+    if env["HF_HUB_CACHE"]:
+        return HubCache(Path(env["HF_HUB_CACHE"]).expanduser(), "set by HF_HUB_CACHE")
+    if env["HF_HOME"]:
+        return HubCache(Path(env["HF_HOME"]).expanduser() / "hub", "set by HF_HOME")
+    if model_cache is not None:
+        return HubCache(model_cache / "hub", "under --model-cache")
+    xdg = os.environ.get("XDG_CACHE_HOME", "").strip() or "~/.cache"
+    return HubCache(Path(xdg).expanduser() / "huggingface" / "hub", "huggingface_hub's default")
+
+
+def resolve_hf(source: Source, cache: HubCache, offline: bool, progress: Progress) -> Path:
+    """huggingface_hub's snapshot_download into the hub cache. It writes each blob to a temporary file that it
     renames into place, resumes interrupted downloads and locks per file; our lock around the whole snapshot
     only makes a second process wait instead of fetching the same files alongside. A snapshot that fails
     verification is downloaded once more with force_download (a blob damaged in the cache is never refetched
     otherwise)."""
     assert source.repo_id is not None
+    hub = cache.path
     key = f"{source.repo_id.replace('/', '--')}@{source.revision or 'main'}"
     lock = hub / ".locks" / "loraplane" / f"{key}.lock"
     with contextlib.nullcontext() if offline else locked(lock, progress):
         if not offline:
             progress.start(None, 0)  # a bar on a terminal; the Hub's bytes bar sets the total
         _check_hf_config(source, hub, offline, progress)
-        model_dir = _hf_snapshot(source, hub, offline, progress, force=False)
+        model_dir = _hf_snapshot(source, cache, offline, progress, force=False)
         repair = "the server is offline: it cannot be fetched again" if offline else "downloading it again"
         damage = find_damage(model_dir, source.uri, progress, repair)
         if damage is not None and offline:
             raise ModelSourceError(f"{source.uri}: {damage}; start the server online to fetch it again")
         if damage is not None:
             progress.start(None, 0)
-            model_dir = _hf_snapshot(source, hub, offline, progress, force=True)
+            model_dir = _hf_snapshot(source, cache, offline, progress, force=True)
             verify(model_dir, progress)
     return model_dir
 
 
-def _hf_snapshot(source: Source, hub: Path, offline: bool, progress: Progress, force: bool) -> Path:
+def _hf_snapshot(source: Source, cache: HubCache, offline: bool, progress: Progress, force: bool) -> Path:
     from huggingface_hub import snapshot_download
 
     try:
         snapshot = snapshot_download(
             source.repo_id or "",
             revision=source.revision,
-            cache_dir=str(hub),
+            cache_dir=str(cache.path),
             allow_patterns=MODEL_FILESET.allow_patterns(source.subfolder),
             ignore_patterns=MODEL_FILESET.ignore_patterns(source.subfolder),
             local_files_only=offline,
@@ -55,8 +85,9 @@ def _hf_snapshot(source: Source, hub: Path, offline: bool, progress: Progress, f
         )
     except Exception as exc:  # noqa: BLE001 - huggingface_hub's errors are mapped to reasons, the rest named
         not_cached = (
-            f"not in the model cache ({hub}) and the server is offline (--offline or HF_HUB_OFFLINE=1); "
-            "start it once online, or point --model-cache at a cache that holds the model"
+            f"not in the model cache ({cache.path}: the Hugging Face hub cache, {cache.origin}) and the server is "
+            "offline (--offline or HF_HUB_OFFLINE=1); start it once online, or point HF_HUB_CACHE (or HF_HOME, or "
+            "--model-cache when neither is set) at a hub cache that holds the model"
         )
         reason, transient = hf_reason(exc, source, offline, not_cached)
         raise ModelSourceError(reason, transient=transient) from exc

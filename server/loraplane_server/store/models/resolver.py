@@ -1,5 +1,5 @@
 """The entry point: a --model URI -> a verified local directory; built-in names, local directories and .gguf
-files here, hf:// and s3:// in their own modules."""
+files here, hf:// (in the Hugging Face hub cache, `hub_cache`) and s3:// in their own modules."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from loraplane_server.config import EngineConfig
 from loraplane_server.platforms.user_cache import cache_root
 from loraplane_server.store.gguf_models import BUILTIN_MODELS, convert_gguf, find_gguf
 from loraplane_server.store.models.entry import discard, find_damage, locked, verify
-from loraplane_server.store.models.hf import resolve_hf
+from loraplane_server.store.models.hf import HubCache, hub_cache, resolve_hf
 from loraplane_server.store.models.progress import Progress, StartupListener
 from loraplane_server.store.models.s3 import resolve_s3
 from loraplane_server.store.sources import ModelSourceError, SourceError, hf_offline, parse_source
@@ -28,19 +28,27 @@ def resolve_model(config: EngineConfig, on_phase: Callable[[str], None] | None =
     progress = listener.progress_for(flag, config.model) if listener else Progress(config.model)
     if progress.phase == "pending":  # a draft model's, waiting until now
         progress.set_phase("resolving")
-    cache = Path(config.model_cache).expanduser() if config.model_cache else default_cache_dir()
-    return resolve(config.model, cache, config.offline, progress, flag)
+    explicit = Path(config.model_cache).expanduser() if config.model_cache else None
+    cache = explicit or default_cache_dir()
+    return resolve(config.model, cache, config.offline, progress, flag, hub=hub_cache(explicit))
 
 
 def resolve(
-    uri: str, cache_dir: Path, offline: bool = False, progress: Progress | None = None, flag: str = "--model"
+    uri: str,
+    cache_dir: Path,
+    offline: bool = False,
+    progress: Progress | None = None,
+    flag: str = "--model",
+    hub: HubCache | None = None,
 ) -> Path:
     """A model URI -> a local directory ready to load; ModelSourceError says what to fix otherwise.
 
-    offline (or HF_HUB_OFFLINE=1): only what the cache (or the local disk) holds, no network call."""
+    offline (or HF_HUB_OFFLINE=1): only what the cache (or the local disk) holds, no network call.
+    hub: where hf:// models live; None: hub_cache(cache_dir), cache_dir counting as an explicit --model-cache
+    (HF_HUB_CACHE and HF_HOME still come first)."""
     progress = progress or Progress(uri)
     try:
-        path = _resolve(uri.strip(), cache_dir, offline or hf_offline(), progress)
+        path = _resolve(uri.strip(), cache_dir, hub or hub_cache(cache_dir), offline or hf_offline(), progress)
     except ModelSourceError:
         raise
     except SourceError as exc:  # the URI itself, in parse_source's words (shared with adapters)
@@ -49,12 +57,12 @@ def resolve(
     return path
 
 
-def _resolve(uri: str, cache_dir: Path, offline: bool, progress: Progress) -> Path:
+def _resolve(uri: str, cache_dir: Path, hub: HubCache, offline: bool, progress: Progress) -> Path:
     if uri in BUILTIN_MODELS:
         return _convert_once(uri, lambda: find_gguf(uri), cache_dir / uri, progress)
     source = parse_source(uri)
     if source.kind == "hf":
-        return resolve_hf(source, cache_dir / "hub", offline, progress)
+        return resolve_hf(source, hub, offline, progress)
     if source.kind == "s3":
         return resolve_s3(source, cache_dir, offline, progress)
     if source.kind == "local" and source.path is not None:
