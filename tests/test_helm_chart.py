@@ -18,7 +18,7 @@ import pytest
 import yaml
 from test_crds import validate, violations
 
-from loraplane_operator import builders, router_builders
+from loraplane_operator import builders, router_builders, vllm_builders
 from loraplane_operator import constants as c
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -337,9 +337,12 @@ def test_example_values_render_a_valid_server(helm: str, example: Path) -> None:
     assert violations("BaseModelServer", bms) == []
     spec = bms["spec"]
     assert spec["model"] == values["model"]
-    assert spec["modelCache"] == values["modelCache"] and spec["credentials"] == values["credentials"]
-    for side in spec["credentials"].values():
+    assert spec["modelCache"] == values["modelCache"] and spec.get("credentials", {}) == values["credentials"]
+    for side in spec.get("credentials", {}).values():
         assert side["secretName"] and not {"token", "value", "accessKey", "secretKey"} & set(side)
+    if builders.is_vllm(spec):
+        _check_vllm_example(spec, values)
+        return
     # the operator turns it into a pod that reads the Secret, with the cache mounted where the server looks
     dep = builders.get_deployment(bms)
     (ctr,) = dep["spec"]["template"]["spec"]["containers"]
@@ -351,6 +354,35 @@ def test_example_values_render_a_valid_server(helm: str, example: Path) -> None:
     fraction = values["engine"].get("gpuMemoryUtilization")
     if fraction is not None:
         assert ctr["args"][ctr["args"].index("--gpu-memory-utilization") + 1] == str(fraction)
+
+
+def _check_vllm_example(spec: dict, values: dict) -> None:
+    """A vLLM example: the pods the operator makes pass only flags the recorded vLLM has, tensor parallel over
+    the pod's GPUs, the chart's image fetching the model into the cache vLLM then reads."""
+    from test_operator_vllm import flag_exists
+
+    assert "image" not in spec and spec["engine"]["fetchImage"] == "loraplane-server:0.1.0"
+    pod = vllm_builders.get_workload({"metadata": {"name": "lp", "namespace": "ml"}, "spec": spec})["spec"]["template"][
+        "spec"
+    ]
+    (fetch,), (server,) = pod["initContainers"], pod["containers"]
+    assert fetch["image"] == "loraplane-server:0.1.0" and fetch["args"][1] == values["model"]
+    assert server["image"] == "vllm/vllm-openai:v0.32.0"
+    assert [f for f in server["args"] if f.startswith("--") and not flag_exists(f)] == []
+    gpus = values["resources"]["gpus"]
+    assert ("--tensor-parallel-size" in server["args"]) == (gpus > 1) and server["resources"]["limits"][
+        "nvidia.com/gpu"
+    ] == gpus
+    assert server["volumeMounts"][0]["mountPath"] == fetch["volumeMounts"][0]["mountPath"]
+
+
+def test_examples_include_vllm_on_several_gpus_and_on_one() -> None:
+    gpus = sorted(
+        yaml.safe_load(p.read_text())["server"]["resources"]["gpus"]
+        for p in EXAMPLES
+        if (yaml.safe_load(p.read_text())["server"].get("engine") or {}).get("kind") == "vllm"
+    )
+    assert gpus == [1, 4]
 
 
 def test_gpu_engine_values_pass_through(helm: str, tmp_path: Path) -> None:

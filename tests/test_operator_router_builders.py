@@ -1,6 +1,7 @@
 """The router's manifests (operator/router_builders.py): nothing when off; when on, a Deployment of
 `loraplane router` that finds the server pods by their selector, its Service on the server's port, and a
-ServiceAccount whose Role reads pods and nothing else; its pods are never taken for server pods."""
+ServiceAccount whose Role reads pods and nothing else; its pods are never taken for server pods; `--engine vllm`
+in front of vLLM pods."""
 
 from __future__ import annotations
 
@@ -87,3 +88,20 @@ def test_the_operator_may_create_and_delete_what_the_router_needs() -> None:
         assert PLURALS[kind] == resource
         assert {(group, resource, v) for v in ("get", "create", "patch", "delete")} <= granted, kind
     assert {("", "pods", v) for v in ("get", "list", "watch")} <= granted
+
+
+def router_flags(**spec: object) -> list[str]:
+    dep = by_kind(get_router_objects(bms(router={"enabled": True}, **spec)))["Deployment"]
+    return dep["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+def test_the_router_reads_vllm_pods_as_vllm() -> None:
+    spec = {"router": {"enabled": True}, "engine": {"kind": "vllm"}, "adminTokenSecretRef": {"name": "admin"}}
+    container = by_kind(get_router_objects(bms(**spec)))["Deployment"]["spec"]["template"]["spec"]["containers"][0]
+    args, env = container["args"], container["env"]
+    assert args[-2:] == ["--engine", "vllm"] and args.count("--engine") == 1
+    # the Secret that is vLLM's --api-key is the router's admin token: its /v1/models poll sends it
+    assert {"name": c.ADMIN_TOKEN_ENV, "valueFrom": {"secretKeyRef": {"name": "admin", "key": "token"}}} in env
+    for other in ({}, {"engine": {"kind": "loraplane"}}, {"engine": {}}):  # our server: no new flag
+        assert "--engine" not in router_flags(**other)
+    assert router_flags(engine={"kind": "loraplane"}) == router_flags()

@@ -331,6 +331,15 @@ def pending_status(message: str, previous: Mapping[str, Any], generation: int | 
     return status
 
 
+def refused_status(message: str, previous: Mapping[str, Any], generation: int | None, now: str) -> dict[str, Any]:
+    """The spec asks for what the server's engine kind cannot do (a tier, pinning): Failed with the reason,
+    no pod called; a spec change is the way out."""
+    status = pending_status(message, {}, generation, now)
+    status["phase"] = c.PHASE_FAILED
+    status["conditions"] = [ready_condition(c.PHASE_FAILED, message, generation, previous.get("conditions") or [], now)]
+    return status
+
+
 def status_patch(current: Mapping[str, Any], desired: Mapping[str, Any], owned: frozenset[str]) -> dict[str, Any]:
     """A merge patch of the keys that differ; None removes an `owned` key the desired status no longer has."""
     patch: dict[str, Any] = {}

@@ -149,6 +149,10 @@ def _env(spec: Mapping[str, Any]) -> list[dict[str, Any]]:
     env: list[dict[str, Any]] = [
         {"name": c.POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
     ]
+    if spec.get("modelCache") is not None:
+        # hf:// models into the Hub's layout on the cache volume (the server honours HF_HUB_CACHE before
+        # --model-cache, and the image sets HF_HOME): one download for every replica and either engine kind
+        env.append({"name": "HF_HUB_CACHE", "value": f"{cache_mount_path(spec)}/hub"})
     ref = spec.get("adminTokenSecretRef")
     if ref:
         env.append(secret_env(c.ADMIN_TOKEN_ENV, ref["name"], ref.get("key") or "token"))
@@ -199,12 +203,12 @@ def get_model_cache_claim(bms: Body) -> dict[str, Any] | None:
     }
     if cache.get("storageClassName"):
         claim["storageClassName"] = cache["storageClassName"]
-    manifest = _manifest("v1", "PersistentVolumeClaim", bms, claim)
-    manifest["metadata"]["name"] = cache_claim_name(bms["metadata"]["name"])
-    return manifest
+    obj = manifest("v1", "PersistentVolumeClaim", bms, claim)
+    obj["metadata"]["name"] = cache_claim_name(bms["metadata"]["name"])
+    return obj
 
 
-def _resources(spec: Mapping[str, Any]) -> dict[str, Any]:
+def container_resources(spec: Mapping[str, Any]) -> dict[str, Any]:
     res = spec.get("resources") or {}
     requests = dict(res.get("requests") or {})
     limits = dict(res.get("limits") or {})
@@ -244,13 +248,14 @@ def get_container(spec: Mapping[str, Any]) -> dict[str, Any]:
     }
     if spec.get("modelCache") is not None:
         container["volumeMounts"] = [{"name": c.CACHE_VOLUME, "mountPath": cache_mount_path(spec)}]
-    resources = _resources(spec)
+    resources = container_resources(spec)
     if resources:
         container["resources"] = resources
     return container
 
 
 def get_pod_spec(name: str, spec: Mapping[str, Any]) -> dict[str, Any]:
+    """The pod of our engine (vllm_builders makes vLLM's)."""
     pod: dict[str, Any] = {
         "containers": [get_container(spec)],
         "terminationGracePeriodSeconds": c.TERMINATION_GRACE_S,
@@ -258,6 +263,11 @@ def get_pod_spec(name: str, spec: Mapping[str, Any]) -> dict[str, Any]:
     volume = cache_volume(name, spec)
     if volume is not None:
         pod["volumes"] = [volume]
+    return scheduling(spec, pod)
+
+
+def scheduling(spec: Mapping[str, Any], pod: dict[str, Any]) -> dict[str, Any]:
+    """The pod with the spec's node selector, tolerations and service account."""
     if spec.get("nodeSelector"):
         pod["nodeSelector"] = dict(spec["nodeSelector"])
     if spec.get("tolerations"):
@@ -286,8 +296,34 @@ def deployment_replicas(spec: Mapping[str, Any], current: int | None) -> int:
     return max(a["min"], min(a["max"], value))
 
 
-def get_deployment(bms: Body, current_replicas: int | None = None) -> dict[str, Any]:
-    """The server Deployment. `current_replicas`: the live Deployment's, kept under autoscaling."""
+# engine kinds
+def engine_kind(spec: Mapping[str, Any]) -> str:
+    """spec.engine.kind: loraplane (the default) or vllm."""
+    return str((spec.get("engine") or {}).get("kind") or c.ENGINE_LORAPLANE)
+
+
+def is_vllm(spec: Mapping[str, Any]) -> bool:
+    return engine_kind(spec) == c.ENGINE_VLLM
+
+
+def engine_nodes(spec: Mapping[str, Any]) -> int:
+    """Nodes one server spans (vLLM pipeline parallel through a LeaderWorkerSet); 1 for a Deployment's pods."""
+    return int((spec.get("engine") or {}).get("nodes") or 1) if is_vllm(spec) else 1
+
+
+def is_multi_node(spec: Mapping[str, Any]) -> bool:
+    return engine_nodes(spec) > 1
+
+
+def workload_kind(spec: Mapping[str, Any]) -> tuple[str, str]:
+    """(apiVersion, kind) of the object that runs the server pods: a Deployment, or a LeaderWorkerSet for a
+    vLLM server spanning several nodes."""
+    return (c.LWS_API_VERSION, "LeaderWorkerSet") if is_multi_node(spec) else ("apps/v1", "Deployment")
+
+
+def get_deployment(bms: Body, current_replicas: int | None = None, pod: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The server Deployment. `current_replicas`: the live Deployment's, kept under autoscaling. `pod`: the
+    template's spec (vLLM's), else our engine's."""
     name, spec = bms["metadata"]["name"], bms.get("spec") or {}
     labels = server_labels(name)
     dep_spec: dict[str, Any] = {
@@ -295,11 +331,11 @@ def get_deployment(bms: Body, current_replicas: int | None = None) -> dict[str, 
         "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
         "template": {
             "metadata": {"labels": labels, "annotations": {c.CONFIG_HASH_ANNOTATION: config_hash(spec)}},
-            "spec": get_pod_spec(name, spec),
+            "spec": pod if pod is not None else get_pod_spec(name, spec),
         },
     }
     dep_spec["replicas"] = deployment_replicas(spec, current_replicas)
-    return _manifest("apps/v1", "Deployment", bms, dep_spec)
+    return manifest("apps/v1", "Deployment", bms, dep_spec)
 
 
 def get_service(bms: Body) -> dict[str, Any]:
@@ -310,7 +346,7 @@ def get_service(bms: Body) -> dict[str, Any]:
         "selector": selector_labels(name),
         "ports": [{"name": c.PORT_NAME, "port": port, "targetPort": c.PORT_NAME, "protocol": "TCP"}],
     }
-    return _manifest("v1", "Service", bms, svc_spec)
+    return manifest("v1", "Service", bms, svc_spec)
 
 
 def _autoscaling(spec: Mapping[str, Any]) -> dict[str, Any]:
@@ -328,37 +364,53 @@ def _autoscaling(spec: Mapping[str, Any]) -> dict[str, Any]:
 
 def get_hpa(bms: Body) -> dict[str, Any]:
     """autoscaling/v2 HPA on the per-pod loraplane_queue_depth (served by prometheus-adapter)."""
-    name = bms["metadata"]["name"]
-    a = _autoscaling(bms.get("spec") or {})
+    name, spec = bms["metadata"]["name"], bms.get("spec") or {}
+    a = _autoscaling(spec)
     hpa_spec = {
-        "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": name},
+        "scaleTargetRef": scale_target(name, spec),
         "minReplicas": a["min"],
         "maxReplicas": a["max"],
         "metrics": [
             {
                 "type": "Pods",
                 "pods": {
-                    "metric": {"name": c.QUEUE_DEPTH_METRIC},
+                    "metric": {"name": hpa_metric(spec)},
                     "target": {"type": "AverageValue", "averageValue": str(a["target"])},
                 },
             }
         ],
         "behavior": {"scaleDown": {"stabilizationWindowSeconds": a["stabilization"]}},
     }
-    return _manifest(c.HPA_API_VERSION, "HorizontalPodAutoscaler", bms, hpa_spec)
+    return manifest(c.HPA_API_VERSION, "HorizontalPodAutoscaler", bms, hpa_spec)
 
 
-def queue_depth_query(namespace: str, name: str) -> str:
-    return f'sum({c.QUEUE_DEPTH_METRIC}{{namespace="{namespace}",pod=~"{name}-.*"}})'
+def scale_target(name: str, spec: Mapping[str, Any]) -> dict[str, str]:
+    api_version, kind = workload_kind(spec)
+    return {"apiVersion": api_version, "kind": kind, "name": name}
+
+
+def queue_metric(spec: Mapping[str, Any]) -> str:
+    """The pods' queue-depth gauge as Prometheus stores it: ours, or vLLM's requests waiting."""
+    return c.VLLM_QUEUE_METRIC if is_vllm(spec) else c.QUEUE_DEPTH_METRIC
+
+
+def hpa_metric(spec: Mapping[str, Any]) -> str:
+    """The same gauge through prometheus-adapter (the chart's rule renames vLLM's: no ':' in a metric name)."""
+    return c.VLLM_HPA_METRIC if is_vllm(spec) else c.QUEUE_DEPTH_METRIC
+
+
+def queue_depth_query(namespace: str, name: str, spec: Mapping[str, Any] | None = None) -> str:
+    return f'sum({queue_metric(spec or {})}{{namespace="{namespace}",pod=~"{name}-.*"}})'
 
 
 def get_scaled_object(bms: Body) -> dict[str, Any]:
     """KEDA ScaledObject with a Prometheus trigger; AverageValue divides the summed queue by the replicas."""
     meta = bms["metadata"]
     name, namespace = meta["name"], meta.get("namespace") or "default"
-    a = _autoscaling(bms.get("spec") or {})
+    spec = bms.get("spec") or {}
+    a = _autoscaling(spec)
     so_spec = {
-        "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": name},
+        "scaleTargetRef": scale_target(name, spec),
         "minReplicaCount": a["min"],
         "maxReplicaCount": a["max"],
         "advanced": {
@@ -372,13 +424,13 @@ def get_scaled_object(bms: Body) -> dict[str, Any]:
                 "metricType": "AverageValue",
                 "metadata": {
                     "serverAddress": a["prometheus"],
-                    "query": a["query"] or queue_depth_query(namespace, name),
+                    "query": a["query"] or queue_depth_query(namespace, name, spec),
                     "threshold": str(a["target"]),
                 },
             }
         ],
     }
-    return _manifest(c.KEDA_API_VERSION, "ScaledObject", bms, so_spec)
+    return manifest(c.KEDA_API_VERSION, "ScaledObject", bms, so_spec)
 
 
 def get_autoscaler(bms: Body) -> dict[str, Any] | None:
@@ -389,7 +441,7 @@ def get_autoscaler(bms: Body) -> dict[str, Any] | None:
     return get_scaled_object(bms) if _autoscaling(spec)["kind"] == "keda" else get_hpa(bms)
 
 
-def _manifest(api_version: str, kind: str, bms: Body, spec: dict[str, Any]) -> dict[str, Any]:
+def manifest(api_version: str, kind: str, bms: Body, spec: dict[str, Any]) -> dict[str, Any]:
     meta = bms["metadata"]
     metadata: dict[str, Any] = {"name": meta["name"], "labels": server_labels(meta["name"])}
     if meta.get("namespace"):

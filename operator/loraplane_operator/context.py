@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 
 from loraplane_operator import constants as c
-from loraplane_operator.admin_client import AdminClient
+from loraplane_operator.engine_client import EngineClient, engine_client
 
 Rows = dict[str, dict[str, Any]]  # adapter id -> the server's row
 
@@ -81,8 +81,9 @@ class OperatorContext:
     def slot(self, url: str) -> asyncio.Semaphore:
         return self.slots.setdefault(url, asyncio.Semaphore(c.PREWARM_CONCURRENCY))
 
-    def admin(self, url: str, token: str | None) -> AdminClient:
-        return AdminClient(self.http, url, token)
+    def admin(self, url: str, token: str | None, kind: str = c.ENGINE_LORAPLANE) -> EngineClient:
+        """The engine client of the pod at `url`: our admin API, or vLLM's LoRA routes."""
+        return engine_client(kind, self.http, url, token)
 
     def forget_pod(self, url: str) -> None:
         self.residency.drop(url)

@@ -19,7 +19,7 @@ import kopf
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from loraplane_operator import adapter_status as st
-from loraplane_operator import builders, kube, reconcile, router_builders
+from loraplane_operator import builders, kube, reconcile, router_builders, vllm_builders
 from loraplane_operator import constants as c
 from loraplane_operator.context import OperatorContext
 from loraplane_operator.server_status import PodInfo, ServerRef, current_pods, pod_info, server_ref, server_status
@@ -90,10 +90,11 @@ async def apply_server(
     the BaseModelServer, applied idempotently."""
     ctx, namespace = _ctx(memo), namespace or ""
     try:
-        live = await reconcile.current_replicas(ctx, namespace, name) if builders.is_autoscaled(spec) else None
+        autoscaled = builders.is_autoscaled(spec)
+        live = await reconcile.current_replicas(ctx, namespace, name, spec) if autoscaled else None
         claim = builders.get_model_cache_claim(body)
         objs = [claim] if claim is not None else []
-        objs += [builders.get_deployment(body, live), builders.get_service(body)]
+        objs += [vllm_builders.get_workload(body, live), builders.get_service(body)]
         autoscaler = builders.get_autoscaler(body)
         if autoscaler is not None:
             objs.append(autoscaler)
@@ -121,7 +122,7 @@ async def server_status_timer(
 ) -> None:
     """Mirror the Deployment, the Ready pods and the model's phase into the BaseModelServer's status."""
     ctx, namespace = _ctx(memo), namespace or ""
-    deployment = await kube.get(ctx.api, "apps/v1", "Deployment", namespace, name)
+    deployment = await kube.get(ctx.api, *builders.workload_kind(spec), namespace, name)  # or its LeaderWorkerSet
     pods: list[PodInfo] = list(server_pods.get((namespace, name), []))
     reports = await reconcile.model_reports(ctx, current_pods(pods, spec), builders.server_port(spec))
     new = server_status(body, deployment, pods, status, reconcile.now_iso(), reports)

@@ -19,6 +19,7 @@ PLURALS = {
     "PersistentVolumeClaim": "persistentvolumeclaims",
     "HorizontalPodAutoscaler": "horizontalpodautoscalers",
     "ScaledObject": c.KEDA_PLURAL,
+    "LeaderWorkerSet": "leaderworkersets",
     "ServiceAccount": "serviceaccounts",
     "Role": "roles",
     "RoleBinding": "rolebindings",

@@ -19,6 +19,7 @@ RULES: list[dict[str, list[str]]] = [
     {"apiGroups": [""], "resources": ["persistentvolumeclaims"], "verbs": ["get", "create", "patch"]},
     {"apiGroups": ["autoscaling"], "resources": ["horizontalpodautoscalers"], "verbs": _CRUD},
     {"apiGroups": ["keda.sh"], "resources": ["scaledobjects"], "verbs": _CRUD},
+    {"apiGroups": ["leaderworkerset.x-k8s.io"], "resources": ["leaderworkersets"], "verbs": _CRUD},
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
     {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"]},
     {"apiGroups": ["", "events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]},

@@ -14,14 +14,17 @@ import httpx
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from loraplane_operator import adapter_status as st
+from loraplane_operator import builders, kube
 from loraplane_operator import constants as c
-from loraplane_operator import kube
 from loraplane_operator.admin_client import AdminError, PermanentAdminError, RetryableAdminError
 from loraplane_operator.context import OperatorContext
+from loraplane_operator.engine_client import TRAITS
 from loraplane_operator.router_builders import ROUTER_KINDS, router_name
 from loraplane_operator.server_status import ModelReport, PodInfo, ServerRef, model_report, ready_pods
 
 AUTOSCALERS = ((c.HPA_API_VERSION, "HorizontalPodAutoscaler"), (c.KEDA_API_VERSION, "ScaledObject"))
+# what runs the server pods: a switch between them (vLLM onto several nodes and back) deletes the other
+WORKLOADS = (("apps/v1", "Deployment"), (c.LWS_API_VERSION, "LeaderWorkerSet"))
 
 
 def now_iso() -> str:
@@ -52,7 +55,7 @@ async def apply_children(ctx: OperatorContext, objs: Sequence[Mapping[str, Any]]
             exc.reason = f"{obj['kind']} ({obj['apiVersion']}): {exc.reason}"
             raise
     applied = {(o["kind"], o["metadata"]["name"]) for o in objs}
-    gone = [(v, k, name) for v, k in AUTOSCALERS] + [(v, k, router_name(name)) for v, k in ROUTER_KINDS]
+    gone = [(v, k, name) for v, k in (*AUTOSCALERS, *WORKLOADS)] + [(v, k, router_name(name)) for v, k in ROUTER_KINDS]
     for api_version, kind, obj_name in gone:
         if (kind, obj_name) not in applied:
             await kube.delete_if_exists(ctx.api, api_version, kind, namespace, obj_name)
@@ -79,9 +82,9 @@ async def model_reports(ctx: OperatorContext, pods: Iterable[PodInfo], port: int
     return [r for r in reports if r is not None]
 
 
-async def current_replicas(ctx: OperatorContext, namespace: str, name: str) -> int | None:
-    """The live Deployment's replicas (what an autoscaler chose), None before it exists."""
-    deployment = await kube.get(ctx.api, "apps/v1", "Deployment", namespace, name)
+async def current_replicas(ctx: OperatorContext, namespace: str, name: str, spec: Mapping[str, Any]) -> int | None:
+    """The live Deployment's (or LeaderWorkerSet's) replicas (what an autoscaler chose), None before it exists."""
+    deployment = await kube.get(ctx.api, *builders.workload_kind(spec), namespace, name)
     return None if deployment is None else int((deployment.get("spec") or {}).get("replicas", 1))
 
 
@@ -102,11 +105,11 @@ class RoundOutcome:
 
 
 async def _read_row(
-    ctx: OperatorContext, pod: PodInfo, port: int, token: str | None, adapter_id: str
+    ctx: OperatorContext, pod: PodInfo, port: int, token: str | None, adapter_id: str, kind: str
 ) -> tuple[dict | None, str | None]:
     url = pod.url(port)
     try:
-        rows = await ctx.residency.rows(url, ctx.admin(url, token).list_adapters)
+        rows = await ctx.residency.rows(url, ctx.admin(url, token, kind).list_adapters)
     except AdminError as exc:
         return None, exc.message
     return rows.get(adapter_id), None
@@ -124,6 +127,7 @@ async def _sync_pod(
     exact: bool,
     force: bool,
     can_retry: bool,
+    kind: str,
 ) -> st.PodResult:
     """Register/prewarm on one pod if needed, then move it to the wanted tier if it sits off the goal (any
     other tier while `exact`, else a colder one); the pod's row afterwards (or the call's error, permanent
@@ -132,7 +136,7 @@ async def _sync_pod(
     if not is_prewarm and not (can_retry and st.needs_tier_call(row, tier, exact=exact)):
         return st.PodResult(pod.name, tier, row, exact=exact)
     url = pod.url(port)
-    admin = ctx.admin(url, token)
+    admin = ctx.admin(url, token, kind)
     try:
         async with ctx.slot(url):
             if is_prewarm:
@@ -178,6 +182,11 @@ async def adapter_round(
     if not live:
         message = f"no Ready pod of BaseModelServer {server.name!r} yet"  # pod events wake the daemon
         return RoundOutcome(st.pending_status(message, status, generation, now), c.ADAPTER_RESYNC_S)
+    traits = TRAITS[server.engine]
+    refusal = traits.refusal(want.tier, want.pinned, server.engine)
+    if refusal is not None:
+        return RoundOutcome(st.refused_status(refusal, status, generation, now), c.ADAPTER_RESYNC_S)
+    want = replace(want, tier=traits.goal(want.tier))  # vLLM: "loaded", the one state its rows report
     token = await server_token(ctx, server)
     force = status.get("observedGeneration") != generation or retry != status.get("observedRetry")
     exact = status.get("settledGeneration") != generation  # the spec's tier exactly until first reached
@@ -186,8 +195,11 @@ async def adapter_round(
     stay_failed = not force and status.get("phase") == c.PHASE_FAILED
     can_retry = st.can_retry(attempts, age_s(last, now), is_failed=stay_failed)
 
-    read = await asyncio.gather(*(_read_row(ctx, p, server.port, token, want.adapter_id) for p in live))
     tiers = st.choose_tiers([p.name for p in live], want)
+    if not traits.registers_without_loading:  # vLLM: only the chosen pods load it; the router sends it there
+        live = [p for p in live if tiers[p.name] != "none"]
+    kind = server.engine
+    read = await asyncio.gather(*(_read_row(ctx, p, server.port, token, want.adapter_id, kind) for p in live))
 
     async def sync(pod: PodInfo, row: dict | None, error: str | None) -> st.PodResult:
         tier = tiers[pod.name]
@@ -199,11 +211,11 @@ async def adapter_round(
             if action != "retry":
                 return st.PodResult(pod.name, tier, row, found_failed=action != "wait", exact=exact)
             out = await _sync_pod(
-                ctx, pod, server.port, token, want, tier, row, exact=exact, force=force, can_retry=True
+                ctx, pod, server.port, token, want, tier, row, exact=exact, force=force, can_retry=True, kind=kind
             )
             return replace(out, found_failed=True)
         return await _sync_pod(
-            ctx, pod, server.port, token, want, tier, row, exact=exact, force=force, can_retry=can_retry
+            ctx, pod, server.port, token, want, tier, row, exact=exact, force=force, can_retry=can_retry, kind=kind
         )
 
     results = await asyncio.gather(*(sync(p, row, err) for p, (row, err) in zip(live, read, strict=True)))
@@ -237,10 +249,15 @@ async def prewarm_pod(
     url = pod.url(server.port)
     ctx.residency.drop(url)
     token = await server_token(ctx, server)
-    admin = ctx.admin(url, token)
+    admin = ctx.admin(url, token, server.engine)
+    traits = TRAITS[server.engine]
 
     async def one(want: st.AdapterWant) -> str | None:
-        tier = want.tier if want.replicas is None else "none"
+        tier = traits.goal(want.tier) if want.replicas is None else "none"
+        if traits.refusal(want.tier, want.pinned, server.engine) is not None:
+            return None  # its own round reports it Failed
+        if tier == "none" and not traits.registers_without_loading:
+            return None  # vLLM loads it on the pods its round chooses
         try:
             async with ctx.slot(url):
                 await admin.prewarm(want.adapter_id, want.source, tier, want.pinned)
@@ -264,7 +281,7 @@ async def unload_everywhere(
         url = pod.url(server.port)
         try:
             async with ctx.slot(url):
-                await ctx.admin(url, token).unload(adapter_id)
+                await ctx.admin(url, token, server.engine).unload(adapter_id)
         except RetryableAdminError as exc:
             return f"{pod.name}: {exc.message}" if pod.is_ready and exc.status is not None else None
         except AdminError:

@@ -48,8 +48,9 @@ def router_labels(server: str) -> dict[str, str]:
 
 
 def router_args(namespace: str, server: str, spec: Mapping[str, Any]) -> list[str]:
+    """The router's flags; `--engine vllm` in front of vLLM pods, whose residency and load it reads otherwise."""
     router = spec.get("router") or {}
-    return [
+    args = [
         "--namespace", namespace,
         "--selector", builders.selector_string(server),
         "--pod-port", str(builders.server_port(spec)),
@@ -58,6 +59,9 @@ def router_args(namespace: str, server: str, spec: Mapping[str, Any]) -> list[st
         "--epsilon", str(router.get("epsilon", 0.5)),
         "--spill-queue", str(router.get("spillQueue", 8)),
     ]  # fmt: skip
+    if builders.engine_kind(spec) == c.ENGINE_VLLM:
+        args += ["--engine", c.ENGINE_VLLM]
+    return args
 
 
 def get_router_deployment(bms: Body) -> dict[str, Any]:
@@ -66,7 +70,7 @@ def get_router_deployment(bms: Body) -> dict[str, Any]:
     router = spec.get("router") or {}
     env: list[dict[str, Any]] = [{"name": c.POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
     ref = spec.get("adminTokenSecretRef")
-    if ref:  # the servers' /v1/adapters (residency) needs their admin token
+    if ref:  # the servers' residency needs their admin token (/v1/adapters; on vLLM, /v1/models: its --api-key)
         env.append(
             {
                 "name": c.ADMIN_TOKEN_ENV,

@@ -28,6 +28,7 @@ class PodInfo:
     last_failure: str | None = None  # why it could not start the time before, while it runs again
     note: str | None = None  # why the pod is not running yet (unscheduled, waiting for a volume or an image)
     config_hash: str | None = None  # of the spec the pod was made from
+    stage: str | None = None  # "fetching": its init container pulls the model; "starting": its server starts
 
     def url(self, port: int) -> str:
         return builders.pod_url(self.ip or "", port)
@@ -44,6 +45,7 @@ def pod_info(body: Mapping[str, Any]) -> PodInfo | None:
     ready = any(x.get("type") == "Ready" and x.get("status") == "True" for x in conditions)
     ip = status.get("podIP") or None
     containers = status.get("containerStatuses") or []
+    inits = status.get("initContainerStatuses") or []  # a vLLM pod's model fetch
     restarts = sum(int(s.get("restartCount") or 0) for s in containers)
     return PodInfo(
         name=meta.get("name", ""),
@@ -53,11 +55,22 @@ def pod_info(body: Mapping[str, Any]) -> PodInfo | None:
         ip=ip,
         is_ready=ready and ip is not None and not meta.get("deletionTimestamp"),
         restarts=restarts,
-        failure=next((f for f in map(start_failure, containers) if f), None),
-        last_failure=next((f for f in map(last_start_failure, containers) if f), None),
+        failure=next((f for f in map(start_failure, [*inits, *containers]) if f), None),
+        last_failure=next((f for f in map(last_start_failure, [*inits, *containers]) if f), None),
         note=pod_note(status),
         config_hash=(meta.get("annotations") or {}).get(c.CONFIG_HASH_ANNOTATION),
+        stage=pod_stage(inits, containers),
     )
+
+
+def pod_stage(inits: Sequence[Mapping[str, Any]], containers: Sequence[Mapping[str, Any]]) -> str | None:
+    """Where a pod is on its way up, from the container states: "fetching" while an init container (a vLLM
+    pod's `loraplane pull`) runs, "starting" while the server runs but is not ready yet, else None."""
+    if any("running" in (s.get("state") or {}) for s in inits):
+        return "fetching"
+    if any("running" in (s.get("state") or {}) and not s.get("ready") for s in containers):
+        return "starting"
+    return None
 
 
 # why a server pod does not start
@@ -223,9 +236,12 @@ def _failure(pod: PodInfo, reports: Sequence[ModelReport]) -> str | None:
     return None if moving else pod.last_failure
 
 
-def model_phase(pods: Sequence[PodInfo], reports: Sequence[ModelReport], previous: Mapping[str, Any]) -> dict[str, Any]:
+def model_phase(
+    pods: Sequence[PodInfo], reports: Sequence[ModelReport], previous: Mapping[str, Any], by_stage: bool = False
+) -> dict[str, Any]:
     """phase, message, reason and bytes of the model: Ready when a pod is ready; else Failed when a pod could
-    not start; else Downloading or Loading from the most advanced /ready report; else Pending."""
+    not start; else Downloading or Loading from the most advanced /ready report, or with `by_stage` (vLLM pods,
+    whose /ready says nothing) from the containers' states; else Pending."""
     ready = [p for p in pods if p.is_ready]
     if ready:
         total = _int_or_none(previous.get("bytesTotal"))
@@ -239,6 +255,15 @@ def model_phase(pods: Sequence[PodInfo], reports: Sequence[ModelReport], previou
     if best is not None:
         phase = "Downloading" if best.phase in DOWNLOAD_PHASES else "Loading"
         return _with_bytes({"phase": phase, "message": _report_message(best)}, best.bytes_done, best.bytes_total)
+    # pods that report nothing on /ready (vLLM's): the phase from their containers
+    reported = {r.pod for r in reports} if by_stage else {p.name for p in pods}
+    starting = [p for p in pods if p.name not in reported and p.stage == "starting"]
+    if starting:
+        return {"phase": "Loading", "message": f"{starting[0].name}: the server is loading the model"}
+    fetching = [p for p in pods if p.name not in reported and p.stage == "fetching"]
+    if fetching:
+        message = f"{fetching[0].name}: fetching the model into the cache ({c.FETCH_CONTAINER_NAME})"
+        return {"phase": "Downloading", "message": message}
     queued = [r.pod for r in reports if r.phase == DRAFT_PENDING]
     if queued:
         return {"phase": "Pending", "message": f"{queued[0]}: the draft model is fetched once the model's files are"}
@@ -254,7 +279,8 @@ def model_status(
     now: str,
 ) -> dict[str, Any]:
     """status.model for spec.model, keeping lastTransitionTime (and the size) while the phase and source hold."""
-    return _source_status(str(spec.get("model") or builders.DEFAULT_MODEL), pods, reports, previous, now)
+    model = str(spec.get("model") or builders.DEFAULT_MODEL)
+    return _source_status(model, pods, reports, previous, now, by_stage=builders.is_vllm(spec))
 
 
 def draft_model_status(
@@ -274,10 +300,15 @@ def draft_model_status(
 
 
 def _source_status(
-    source: str, pods: Sequence[PodInfo], reports: Sequence[ModelReport], previous: Mapping[str, Any], now: str
+    source: str,
+    pods: Sequence[PodInfo],
+    reports: Sequence[ModelReport],
+    previous: Mapping[str, Any],
+    now: str,
+    by_stage: bool = False,
 ) -> dict[str, Any]:
     same_source = previous.get("source") == source
-    model = {"source": source, **model_phase(pods, reports, previous if same_source else {})}
+    model = {"source": source, **model_phase(pods, reports, previous if same_source else {}, by_stage)}
     same = same_source and previous.get("phase") == model["phase"]
     model["lastTransitionTime"] = previous.get("lastTransitionTime") if same else now
     return model
@@ -384,6 +415,7 @@ class ServerRef:
     port: int
     token_secret: str | None = None
     token_key: str = "token"
+    engine: str = c.ENGINE_LORAPLANE  # spec.engine.kind: which client talks to its pods
 
 
 def server_ref(bms: Mapping[str, Any]) -> ServerRef:
@@ -395,4 +427,5 @@ def server_ref(bms: Mapping[str, Any]) -> ServerRef:
         port=builders.server_port(spec),
         token_secret=ref.get("name"),
         token_key=ref.get("key") or "token",
+        engine=builders.engine_kind(spec),
     )
