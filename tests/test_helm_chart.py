@@ -139,6 +139,9 @@ def test_render_everything_enabled(helm, tmp_path):
     cm = _one(docs, "ConfigMap")
     rules = yaml.safe_load(cm["data"]["config.yaml"])["rules"]
     assert "loraplane_queue_depth" in rules[0]["seriesQuery"]
+    from loraplane_operator import constants as c  # the rule serves the metric the operator's HPA names for vLLM
+
+    assert c.VLLM_QUEUE_METRIC in rules[1]["seriesQuery"] and rules[1]["name"]["as"] == c.VLLM_HPA_METRIC
     args = _one(docs, "Deployment", "-operator")["spec"]["template"]["spec"]["containers"][0]["args"]
     assert args[args.index("--namespace") + 1] == "team-a" and "--verbose" in args
 
