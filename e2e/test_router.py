@@ -215,6 +215,16 @@ class Residency:
         self._thread.join()
 
 
+def router_log(env: Env, pod: dict[str, Any], num_lines: int = 30) -> str:
+    """A pod's last log lines (the router's or a server's container), for an assertion's message."""
+    name = pod["metadata"]["name"]
+    for container in ("router", "server"):
+        text = env.cluster.pod_log(NAMESPACE, name, container)
+        if text:
+            return f"{name}: " + "\n".join(text.splitlines()[-num_lines:])
+    return f"{name}: no log"
+
+
 def run_workload(
     adapters: list[str], send: Callable[[str], tuple[int, str]], concurrency: int = CONCURRENCY
 ) -> list[tuple[str, Outcome]]:
@@ -434,7 +444,15 @@ def test_e_a_pod_deleted_mid_run(env: Env) -> None:
         "served_by_victim_after": sum(o.pod == victim for _, o in late),
     }
     assert len(failed) <= CONCURRENCY, failed  # at most those in flight on the deleted pod
-    assert late and all(o.status == 200 and o.pod != victim for _, o in late), env.figures["pod_deleted"]
+    bad_late = [
+        (a, o.status, o.pod, round(o.started - deleted_at[0], 2)) for a, o in late if o.status != 200 or o.pod == victim
+    ]
+    assert late and not bad_late, (
+        env.figures["pod_deleted"],
+        bad_late,
+        [router_log(env, r) for r in routers],
+        router_log(env, {"metadata": {"name": victim}}),
+    )
 
     def replaced() -> bool:  # the victim's adapters on their new home among the pods Ready now
         ready = [p["metadata"]["name"] for p in env.server_pods()]

@@ -166,7 +166,10 @@ class Router:
             self.pool.acquire(pod.name)
             try:
                 response = await self.http.send(upstream, stream=True)
-            except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError) as exc:
+            except httpx.TransportError as exc:
+                # no answer began (refused, reset, closed while the request was written or before its head, pool
+                # exhausted): the pod did not answer this request, the next one may. The read timeout is off
+                # (generation takes as long as it takes), so a timeout here is a connect or pool one.
                 self.pool.release(pod.name)
                 self.metrics.retries.inc()
                 log.info("router: %s unreachable (%s); trying the next pod", pod.name, type(exc).__name__)
