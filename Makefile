@@ -76,6 +76,7 @@ bench: model
 	$(BIN)/python bench/attention.py
 	$(BIN)/python bench/routing.py
 	$(BIN)/python bench/speculative.py
+	$(BIN)/python bench/structured.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

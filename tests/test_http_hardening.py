@@ -186,7 +186,7 @@ def test_hostile_values_get_400_and_the_server_keeps_serving(
         ("/v1/chat/completions", {"model": "smollm2-135m", "messages": [], "max_tokens": 4}, "messages"),
         (
             "/v1/chat/completions",
-            {"model": "smollm2-135m", "messages": [{"role": "user", "content": "hi"}], "presence_penalty": 1.0},
+            {"model": "smollm2-135m", "messages": [{"role": "user", "content": "hi"}], "presence_penalty": 2.5},
             "presence_penalty",
         ),
     ],

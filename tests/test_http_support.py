@@ -1,8 +1,10 @@
 """Shared by the tests/test_http_*.py modules (no tests here): a real `loraplane serve` subprocess on
-127.0.0.1, and a set of real PEFT adapters for the built-in model."""
+127.0.0.1, a set of real PEFT adapters for the built-in model, and an in-process app whose engine only
+records what it is handed (`recording_app`: what an HTTP request becomes, checked without running a model)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -11,13 +13,25 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 import torch
+from fastapi.testclient import TestClient
 from safetensors.torch import load_file, save_file
 
 from lora_helpers import make_peft_adapter
+from loraplane_server.config import EngineConfig
+from loraplane_server.engine.block_manager import BlockManager
+from loraplane_server.engine.input_processor import CheckedPrompt, InputProcessor
+from loraplane_server.request_output import RequestOutput
+from loraplane_server.sampling_params import SamplingParams
+from loraplane_server.serving.http.app import create_app
+from loraplane_server.serving.http.server_config import ServerConfig
+from loraplane_server.spec.speculator import Speculator
 
 ADMIN_TOKEN = "test-admin-token-0123"
 REPO = Path(__file__).resolve().parent.parent
@@ -149,3 +163,96 @@ def make_adapter_set(base_dir: Path, root: Path, names: list[str]) -> Path:
         save_file(redrawn, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
     done.write_text(json.dumps(names))
     return root
+
+
+# in process: a recording engine
+@dataclass
+class Recorded:
+    """One request as the engine received it."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    adapter_id: str | None
+
+
+class RecordingEngine:
+    """What the HTTP routes use of an LLMEngine and its AsyncEngine, with a real tokenizer and input processor;
+    every request is recorded and answered at once with one token (`answer`, finish reason "length")."""
+
+    def __init__(self, tokenizer: Any, model_dir: Path, max_model_len: int = 512) -> None:
+        self.tokenizer = tokenizer
+        self.model_dir = model_dir
+        self.max_model_len = max_model_len
+        self.eos_token_ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+        self.inputs = InputProcessor(
+            tokenizer,
+            model_dir,
+            max_model_len,
+            len(tokenizer),
+            BlockManager(1024, 16, False),
+            Speculator(EngineConfig(), max_model_len).method,
+        )
+        self.answer = tokenizer.encode("ok", add_special_tokens=False)[0]
+        self.recorded: list[Recorded] = []
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    async def generate(
+        self,
+        prompt: str | list[int] | CheckedPrompt,
+        params: SamplingParams,
+        request_id: str | None = None,
+        adapter_id: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        # the constraint is recorded, not compiled: what the HTTP layer hands the engine is checked here, and
+        # compiling it is the engine's (tests/test_structured.py)
+        checked = self.inputs.process(prompt, dataclasses.replace(params, structured=None))
+        self.recorded.append(Recorded(checked.token_ids, params, adapter_id))
+        token = self.answer
+        # top logprobs: the answer, then the next token ids, each half as likely
+        top = [(token + i, -0.5 - i * 0.693) for i in range(params.top_logprobs)]
+        yield RequestOutput(
+            request_id or "r",
+            checked.token_ids,
+            [token],
+            self.decode([token]),
+            finished=True,
+            finish_reason="length",
+            delta_logprobs=[-0.5],
+            token_ids=[token],
+            text=self.decode([token]),
+            logprobs=[-0.5],
+            delta_top_logprobs=[top] if top else [],
+            top_logprobs=[top] if top else [],
+        )
+
+    def abort(self, request_id: str) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass
+
+
+@dataclass
+class RecordingApp:
+    client: TestClient
+    engine: RecordingEngine
+    model: str = "base"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def last(self) -> Recorded:
+        return self.engine.recorded[-1]
+
+
+def recording_app(tokenizer: Any, model_dir: Path, max_model_len: int = 512) -> RecordingApp:
+    """The real app (routes, validation, error handlers) on a RecordingEngine, ready at once; the served model's
+    name is "base". No lifespan runs: nothing loads."""
+    app = create_app(ServerConfig(engine=EngineConfig(model=str(model_dir)), served_model_name="base"))
+    engine = RecordingEngine(tokenizer, model_dir, max_model_len)
+    state = app.state.server
+    state.engine = engine
+    state.front = engine
+    state.special_ids = frozenset(tokenizer.all_special_ids)
+    state.lifecycle.mark_ready()
+    return RecordingApp(TestClient(app), engine)

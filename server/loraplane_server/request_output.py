@@ -23,9 +23,12 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None = None
     delta_logprobs: list[float] = field(default_factory=list)
+    # top_logprobs > 0: per delta token its most likely tokens (id, logprob), best first
+    delta_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)  # final output only
     text: str = ""  # final output only
     logprobs: list[float] = field(default_factory=list)  # final output only
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # final output only
     num_cached_tokens: int = 0
     adapter_id: str | None = None
     error: str | None = None  # why finish_reason is "error": str(failure)

@@ -60,6 +60,10 @@ class Sequence:
         self.num_cached_tokens = 0  # of those, found in the prefix cache
         self.num_preemptions = 0
         self.logprobs: list[float] = []
+        # top_logprobs > 0: each output position's most likely tokens (id, logprob), best first; the model
+        # runner leaves this step's in step_top_logprobs for the engine to append
+        self.top_logprobs: list[list[tuple[int, float]]] = []
+        self.step_top_logprobs: list[tuple[int, float]] | None = None
         self.detok = Detokenizer(self.num_prompt_tokens, params.stop)
         self.generator = None
         self.spec: SpecState | None = None  # speculation (prompt lookup or the draft), when this request uses it

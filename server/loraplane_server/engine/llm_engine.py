@@ -37,6 +37,7 @@ from loraplane_server.executor.models.llama import LlamaForCausalLM
 from loraplane_server.executor.models.loader import checkpoint_bytes, load_model, read_config
 from loraplane_server.executor.models.registry import max_context, model_args
 from loraplane_server.executor.sampler import make_generator
+from loraplane_server.executor.structured import GrammarRejectedError, Grammars
 from loraplane_server.kernels import cpu_kernels
 from loraplane_server.platforms import cpu_features
 from loraplane_server.platforms.device import (
@@ -180,6 +181,11 @@ class LLMEngine:
         log.info("engine: %s", self.describe())
         phase("loading the tokenizer")
         self.tokenizer = tokenizer if draft_dir is not None else _load_tokenizer(self.model_dir)
+        self.eos_token_ids = _eos_ids(self.model_dir, hf_config)
+        # structured output: one compiler per engine, over the logits' width (the lm_head's, maybe past the tokenizer)
+        self.grammars = None
+        if self.tokenizer is not None:
+            self.grammars = Grammars(self.tokenizer, model.args.vocab_size, self.eos_token_ids)
         self.inputs = InputProcessor(
             self.tokenizer,
             self.model_dir,
@@ -187,8 +193,8 @@ class LLMEngine:
             model.args.vocab_size,
             self.block_manager,
             self.speculator.method,
+            self.grammars,
         )
-        self.eos_token_ids = _eos_ids(self.model_dir, hf_config)
         self.requests: dict[str, Sequence] = {}  # unfinished requests; each holds its own state
         self.adapters = AdapterOrchestrator(  # the engine's one adapter API
             manager, self.slots, self.lora_slots, self.scheduler, self.requests, self._fail
@@ -297,6 +303,8 @@ class LLMEngine:
         seq = Sequence(request_id, request.token_ids, request.params, adapter_id)
         seq.generator = make_generator(request.params.seed, self.device)
         self.speculator.start(seq, request.spec_method)
+        if request.grammar is not None:
+            self.runner.matchers.start(seq, request.grammar)  # released with the request (_release)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
         return request_id
@@ -356,12 +364,21 @@ class LLMEngine:
 
     def _append(self, seq: Sequence, token: int, logprob: float) -> list[RequestOutput]:
         """One new token through the finish checks; its output."""
-        kept = [logprob] if seq.params.logprobs else []
+        kept = [logprob] if seq.params.logprobs or seq.params.top_logprobs else []
         seq.append_token(token, logprob if kept else None)
-        reason = self._check_finish(seq, token)
+        top: list[list[tuple[int, float]]] = []
+        if seq.params.top_logprobs:
+            top = [seq.step_top_logprobs or []]
+            seq.top_logprobs += top
+            seq.step_top_logprobs = None
+        try:
+            reason = self._check_finish(seq, token)
+        except GrammarRejectedError as exc:  # a masked row sampled a token its grammar forbids: a bug, failed alone
+            return [self._fail(seq, exc)]
         if reason is not None:
             self.scheduler.finish(seq, reason)
         out = self._output(seq, [token], kept)
+        out.delta_top_logprobs = top
         if reason is not None:
             self._release(seq)
         return [out]
@@ -383,6 +400,10 @@ class LLMEngine:
     def _check_finish(self, seq: Sequence, token: int) -> FinishReason | None:
         p = seq.params
         seq.detok.update(self.decode, seq.token_ids)
+        # each sampled token once through a constrained sequence's matcher (a recomputed sequence's accepted
+        # its output before the preemption); a complete grammar's stop (an EOS) ends it, ignore_eos or not
+        if self.runner.matchers.accept(seq, token):
+            return FinishReason.STOP
         if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
             return FinishReason.STOP
         if p.stop and seq.detok.find_stop():
@@ -417,10 +438,12 @@ class LLMEngine:
             out.num_spec_steps = seq.spec.num_steps
         if finished:
             out.token_ids, out.text, out.logprobs = seq.output_token_ids, seq.detok.text, seq.logprobs
+            out.top_logprobs = seq.top_logprobs
         return out
 
     def _release(self, seq: Sequence) -> None:
         self.requests.pop(seq.request_id, None)
+        self.runner.matchers.release(seq)
 
     def _fail_nonfinite(self) -> list[RequestOutput]:
         """Requests whose logits came out NaN or inf this step (the runner set them aside): each fails alone."""

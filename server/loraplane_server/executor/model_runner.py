@@ -1,6 +1,9 @@
-"""Owns the model, the KV cache tensors and the sampler; turns a scheduled step into tokens."""
+"""Owns the model, the KV cache tensors, the sampler and the constrained sequences' grammar matchers; turns a
+scheduled step into tokens."""
 
 from __future__ import annotations
+
+import itertools
 
 import torch
 
@@ -12,6 +15,7 @@ from loraplane_server.executor.lora.slots import LoRASlots
 from loraplane_server.executor.models.args import ModelArgs
 from loraplane_server.executor.models.llama import LlamaForCausalLM
 from loraplane_server.executor.sampler import Sampler
+from loraplane_server.executor.structured import Fill, Matchers
 from loraplane_server.executor.verifier import verify
 from loraplane_server.sequence import Sequence
 
@@ -19,6 +23,12 @@ from loraplane_server.sequence import Sequence
 def kv_block_bytes(args: ModelArgs, block_size: int, dtype: torch.dtype) -> int:
     """One KV block's bytes for a model of this shape (keys and values of every layer)."""
     return 2 * args.num_layers * block_size * args.num_kv_heads * args.head_dim * dtype.itemsize
+
+
+def first_rows(samplers: list[Sequence]) -> list[tuple[int, Sequence]]:
+    """Each sampling sequence's first logits row, with it: one row each, 1 + k for a speculative one."""
+    starts = itertools.accumulate((1 + len(s.proposed) for s in samplers), initial=0)
+    return list(zip(starts, samplers, strict=False))  # starts has one more: where the last one's rows end
 
 
 class ModelRunner:
@@ -51,6 +61,7 @@ class ModelRunner:
         )  # [L, 2, N, B, KVH, D]
         self.graphs: DecodeGraphs | None = None  # plain decode steps through static buffers (and CUDA graphs)
         self.sampler = Sampler(kernels=backends.layer_kernels)
+        self.matchers = Matchers(model.args.vocab_size)  # structured output's, one per constrained sequence
         self.lora_slots = lora_slots
         self.use_backends(backends)
         self.nonfinite: list[Sequence] = []  # sequences whose logits were NaN or inf, for the engine to fail
@@ -167,19 +178,23 @@ class ModelRunner:
         speculative sequence its accepted proposals and the model's own next token (verifier.py)."""
         if self.graphs is not None and self.graphs.applies(scheduled):
             samplers = [s for s, _ in scheduled]
+            fill = self.matchers.fill(first_rows(samplers))  # structured output's masks, filled during the forward
             logits = self.graphs.forward(samplers)  # [S, V]
         else:
             input_ids, batch, samplers = self.prepare(scheduled)
+            fill = self.matchers.fill(first_rows(samplers))
             logits = self.model(input_ids, self.kv_caches, batch)  # [R, V]
         if not samplers:
             return [], [], []
         if len(logits) > len(samplers):  # speculative rows: the verifier reads every row of a sequence
             logits, samplers = self._drop_nonfinite(logits, samplers)
+            # a constrained sequence has no proposals (the speculator gives it none): its one row
+            self.matchers.mask(logits, first_rows(samplers), fill)
             return (samplers, *verify(self.sampler, logits, samplers)) if samplers else ([], [], [])
-        return self._sample(logits, samplers)
+        return self._sample(logits, samplers, fill)
 
     def _sample(
-        self, logits: torch.Tensor, samplers: list[Sequence]
+        self, logits: torch.Tensor, samplers: list[Sequence], fill: Fill | None = None
     ) -> tuple[list[Sequence], list[list[int]], list[list[float]]]:
         """One token per row, with one device-to-host copy a step: the ids, their logprobs and whether each row's
         logits were finite come back together (rows sample independently, so a NaN row harms no other; it is
@@ -187,10 +202,18 @@ class ModelRunner:
         # a row's sum is non-finite whenever one of its logits is (NaN, inf, or inf - inf): one reduction,
         # ~0.2 ms for 64 x 49,152 where isfinite().all() over every logit took ~4 ms a step
         finite = torch.isfinite(logits.sum(dim=-1))
+        self.matchers.mask(logits, enumerate(samplers), fill)  # after the check: a masked row holds -inf
         gens = [s.generator for s in samplers]
         seen = [s.token_ids if s.params.repetition_penalty != 1.0 else [] for s in samplers]
-        tokens, logprobs = self.sampler(logits, [s.params for s in samplers], gens, seen)
+        shaped = [s.params.presence_penalty != 0.0 or s.params.frequency_penalty != 0.0 for s in samplers]
+        outputs = [s.output_token_ids if wants else [] for s, wants in zip(samplers, shaped, strict=True)]
+        tokens, logprobs, top = self.sampler.sample(logits, [s.params for s in samplers], gens, seen, outputs)
         ids, lps, ok = torch.stack((tokens.double(), logprobs.double(), finite.double())).tolist()
+        if top is not None:  # the rows that asked: their top-k (token id, logprob), best first
+            top_ids, top_lps = (t.tolist() for t in top)
+            for seq, row_ids, row_lps in zip(samplers, top_ids, top_lps, strict=True):
+                k = seq.params.top_logprobs
+                seq.step_top_logprobs = list(zip(row_ids[:k], row_lps[:k], strict=True)) if k else None
         if not all(ok):  # some row is suspect: the exact rows (rare), and theirs set aside
             suspect = [i for i, v in enumerate(ok) if not v]
             rows = torch.tensor(suspect, dtype=torch.int64, device=logits.device)

@@ -65,8 +65,12 @@ class Speculator:
         return method
 
     def start(self, seq: Sequence, method: str) -> None:
-        """A new request's speculation state, where its method speculates."""
-        if method in ("ngram", "draft"):
+        """A new request's speculation state, where its method speculates. A constrained request (structured
+        output) never speculates: the simplest correct choice, as every token it emits goes through its grammar's
+        matcher before the next is masked (verifying proposals would need a mask per proposed position and the
+        matcher rolled back past rejected ones). Nor do requests with logit_bias, presence or frequency penalties,
+        min_p or top logprobs (SamplingParams.speculates): the verifier samples without them."""
+        if method in ("ngram", "draft") and seq.params.speculates:
             seq.spec = SpecState(max_k=self.max_k, method=method)
 
     # a step

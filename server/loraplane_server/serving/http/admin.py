@@ -130,12 +130,16 @@ class AdapterTierSet(BaseModel):
 
 
 class LoadLoraAdapterRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # as every body here: an unknown field is a 400 naming it
+
     lora_name: str = Field(min_length=1, max_length=1024)
     lora_path: str = Field(min_length=1, max_length=2048)
     load_inplace: bool = False
 
 
 class UnloadLoraAdapterRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     lora_name: str = Field(min_length=1, max_length=1024)
     lora_int_id: int | None = None
 

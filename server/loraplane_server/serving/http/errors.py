@@ -44,6 +44,7 @@ _OPENAI_TYPES = {
     503: "service_unavailable",
 }
 UNICODE_ERROR = "string_unicode"  # pydantic's own error type for bad Unicode, raised by ValidText (sampling.py)
+UNKNOWN_FIELD = "extra_forbidden"  # pydantic's error type for a field a body model does not know (extra="forbid")
 
 
 class ApiError(Exception):
@@ -140,6 +141,23 @@ def describe_validation(errors: Sequence[Any]) -> tuple[str, str | None]:
     return "; ".join(parts) or "invalid request", first
 
 
+def _is_branch(part: object) -> bool:
+    """A union's branch in a pydantic location (content.list[TextPart].0.x): a name the client never wrote."""
+    return isinstance(part, str) and "[" in part
+
+
+def describe_unknown(errors: Sequence[Any]) -> tuple[str, str]:
+    """Unknown-field errors -> (message naming every such field, the first one's dotted name)."""
+    names = [".".join(str(x) for x in err.get("loc", ()) if x != "body" and not _is_branch(x)) for err in errors]
+    shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+    message = (
+        f"unknown field{'s' if len(names) > 1 else ''} {shown}: this server does not support "
+        f"{'them' if len(names) > 1 else 'it'}, and refuses rather than ignores what it cannot honour "
+        "(its fields: GET /openapi.json)"
+    )
+    return message, names[0]
+
+
 def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
@@ -159,6 +177,11 @@ def install_handlers(app: FastAPI) -> None:
         if unicode:
             message, param = describe_validation(unicode)
             return error_response(request.url.path, ApiError(400, message, param, code="invalid_unicode"))
+        # a field the server does not know would otherwise be dropped without a word: 400, naming it
+        unknown = [e for e in errors if e.get("type") == UNKNOWN_FIELD]
+        if unknown:
+            message, param = describe_unknown(unknown)
+            return error_response(request.url.path, ApiError(400, message, param, code="unknown_field"))
         message, param = describe_validation(errors)
         return error_response(request.url.path, ApiError(422, message, param))
 

@@ -47,6 +47,7 @@ class TokenEvent:
     finished: bool
     finish_reason: str | None  # engine's: stop | length | abort | error
     error: str | None = None
+    top: list[tuple[int, float]] | None = None  # top_logprobs > 0: the most likely tokens (finite ones), best first
 
 
 class Generation:
@@ -71,6 +72,7 @@ class Generation:
         self.arrival = arrival if arrival is not None else time.monotonic()
         self.token_ids: list[int] = []
         self.logprobs: list[float | None] = []
+        self.top_logprobs: list[list[tuple[int, float]]] = []  # per output token, when params.top_logprobs > 0
         self._pieces: list[str] = []  # the engine's text deltas, joined when text is read
         self.finish_reason: str | None = None
         self.error: str | None = None
@@ -156,12 +158,17 @@ class Generation:
     def _event(self, out: RequestOutput) -> TokenEvent:
         now = time.monotonic()
         token = out.delta_token_ids[-1] if out.delta_token_ids else None
-        logprob = None
+        logprob, top = None, None
         if token is not None:
             self.token_ids.append(token)
-            if self.params.logprobs and out.delta_logprobs:
+            if (self.params.logprobs or self.params.top_logprobs) and out.delta_logprobs:
                 logprob = _finite(out.delta_logprobs[-1])
             self.logprobs.append(logprob)
+            if self.params.top_logprobs:
+                # a token a grammar or a -100 bias forbids has logprob -inf: JSON has no such number, and it is
+                # no alternative
+                top = [(t, lp) for t, lp in (out.delta_top_logprobs or [[]])[-1] if math.isfinite(lp)]
+                self.top_logprobs.append(top)
             if self._last_token_time is not None:
                 self.state.metrics.itl.observe(now - self._last_token_time)
             self._last_token_time = now
@@ -173,7 +180,7 @@ class Generation:
             self.finish_reason, self.error, self.failure = out.finish_reason, out.error, out.failure
             self.end_time = now
         special = token is not None and token in self.state.special_ids
-        return TokenEvent(token, piece, logprob, special, out.finished, out.finish_reason, out.error)
+        return TokenEvent(token, piece, logprob, special, out.finished, out.finish_reason, out.error, top)
 
     # reporting
     @property

@@ -22,7 +22,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from loraplane_server.sampling_params import MIN_REPETITION_PENALTY
+from loraplane_server.sampling_params import MAX_TOP_LOGPROBS, MIN_REPETITION_PENALTY
 from loraplane_server.serving.http.admin import (
     can_load_adapters,
     check_adapter_id,
@@ -42,13 +42,16 @@ from loraplane_server.serving.http.openai_protocol import (
 from loraplane_server.serving.http.sampling import (
     ValidText,
     check_budget,
+    check_honoured,
     decode,
     encode,
     make_params,
+    only,
     sampling_seed,
-    unsupported,
+    truncated,
 )
 from loraplane_server.serving.http.state import ServerState, get_state
+from loraplane_server.serving.http.structured_output import LoraxResponseFormat, from_lorax
 from loraplane_server.store.sources import AdapterSourceError, parse_source
 
 # bodies
@@ -56,7 +59,10 @@ MAX_STOP = 16
 
 
 class LoraxParameters(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    """LoRAX's parameters (lorax-client's Parameters, every field of it): an unknown one is a 400 naming it, and
+    one this server does not honour is refused by name at any value but those that change nothing."""
+
+    model_config = ConfigDict(extra="forbid")
 
     adapter_id: str | None = Field(default=None, max_length=1024, description="adapter to apply; none: the base model")
     adapter_source: str | None = Field(
@@ -65,8 +71,10 @@ class LoraxParameters(BaseModel):
         description="register adapter_id on the fly: hub | local | s3 (LoRAX kinds) or a source URI; "
         "subject to the server's allowlist",
     )
-    api_token: str | None = None
-    merged_adapters: dict | None = Field(default=None, description="not supported; must be absent")
+    api_token: str | None = only(
+        None, what="a per-request hub token (the server reads adapters with its own credentials, e.g. HF_TOKEN)"
+    )
+    merged_adapters: dict | None = only(None, what="merging adapters")
     do_sample: bool = False
     max_new_tokens: int | None = Field(default=None, ge=1, le=1 << 20)
     ignore_eos_token: bool = False
@@ -80,22 +88,38 @@ class LoraxParameters(BaseModel):
     top_k: int | None = Field(default=None, ge=0, le=1 << 20)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0, description=TOP_P_DOC)
     truncate: int | None = Field(default=None, ge=1, le=1 << 20)
-    typical_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    best_of: int | None = Field(default=None, ge=1, le=1)
-    watermark: bool = False
+    typical_p: float | None = only(None, 1.0, what="typical sampling")
+    best_of: int | None = Field(default=None, ge=1, le=1, description="only 1 is supported")
+    watermark: bool = only(False, what="watermarking")
     speculative: Literal["off", "ngram", "draft"] | None = Field(default=None, description=SPECULATIVE_DOC)
     details: bool = False
     decoder_input_details: bool = False
-    return_k_alternatives: int | None = Field(default=None, ge=0, le=0)
-    response_format: dict | None = Field(default=None, description="not supported; must be absent")
+    return_k_alternatives: int | None = Field(
+        default=None,
+        ge=0,
+        le=MAX_TOP_LOGPROBS,
+        description="each generated token's this many most likely tokens (details.tokens[].alternative_tokens)",
+    )
+    response_format: LoraxResponseFormat | None = Field(
+        default=None, description="{type: json_object, schema}: the output is JSON (following the schema if given)"
+    )
 
 
 class GenerateRequest(ValidText):
-    """Every string, in parameters too, must be valid Unicode (a lone surrogate is a 400 naming the field)."""
+    """Every string, in parameters too, must be valid Unicode (a lone surrogate is a 400 naming the field); an
+    unknown field is a 400 naming it."""
+
+    model_config = ConfigDict(extra="forbid")
 
     inputs: str = Field(min_length=1)
     parameters: LoraxParameters = Field(default_factory=lambda: LoraxParameters())
     stream: bool = False
+
+
+class AlternativeToken(BaseModel):
+    id: int
+    text: str
+    logprob: float
 
 
 class Token(BaseModel):
@@ -103,6 +127,7 @@ class Token(BaseModel):
     text: str
     logprob: float | None
     special: bool
+    alternative_tokens: list[AlternativeToken] | None = None
 
 
 class InputToken(BaseModel):
@@ -182,18 +207,11 @@ async def compat_generate(body: GenerateRequest, request: Request) -> Response:
 async def _prepare(state: ServerState, body: GenerateRequest, request: Request) -> tuple[Generation, int | None]:
     arrival = time.monotonic()
     p = body.parameters
-    if p.merged_adapters is not None:
-        raise unsupported("parameters.merged_adapters", "merging adapters")
-    if p.response_format is not None:
-        raise unsupported("parameters.response_format", "structured output")
-    if p.watermark:
-        raise unsupported("parameters.watermark", "watermarking")
-    if p.typical_p not in (None, 1.0):
-        raise unsupported("parameters.typical_p", "typical sampling")
+    check_honoured(p, "parameters.")
+    structured = from_lorax(p.response_format)
     adapter_id = await lorax_adapter(state, request, p.adapter_id, p.adapter_source)
-    ids = await asyncio.to_thread(encode, state, body.inputs)
-    if p.truncate is not None:
-        ids = ids[-p.truncate :]
+    ids = await asyncio.to_thread(encode, state, body.inputs)  # with the tokenizer's special tokens, as TGI
+    ids = truncated(ids, p.truncate, "left")  # TGI keeps the end of the prompt
     if p.max_new_tokens is None:
         prompt, max_new = check_budget(state, ids, None, "parameters.max_new_tokens")
         max_new = min(max_new, DEFAULT_MAX_NEW_TOKENS)
@@ -214,7 +232,9 @@ async def _prepare(state: ServerState, body: GenerateRequest, request: Request) 
         stop=list(p.stop),
         ignore_eos=p.ignore_eos_token,
         logprobs=True,
+        top_logprobs=p.return_k_alternatives or 0,
         speculative=p.speculative,
+        structured=structured,
     )
     return Generation(state, "lorax", prompt, params, adapter_id, arrival), seed
 
@@ -225,9 +245,17 @@ def _finish_reason(gen: Generation) -> str:
     return "eos_token" if gen.is_eos else "stop_sequence"
 
 
-def _token(ev: TokenEvent) -> dict:
+def _token(state: ServerState, ev: TokenEvent) -> dict:
     # a special token that carries text (held back until the end) is reported as text, so none is lost
-    return {"id": ev.token_id, "text": ev.text, "logprob": ev.logprob, "special": ev.special and not ev.text}
+    token: dict[str, Any] = {
+        "id": ev.token_id,
+        "text": ev.text,
+        "logprob": ev.logprob,
+        "special": ev.special and not ev.text,
+    }
+    if ev.top is not None:
+        token["alternative_tokens"] = [{"id": t, "text": decode(state, [t]), "logprob": lp} for t, lp in ev.top]
+    return token
 
 
 async def _generate(state: ServerState, body: GenerateRequest, request: Request) -> tuple[dict, dict[str, str]]:
@@ -236,7 +264,7 @@ async def _generate(state: ServerState, body: GenerateRequest, request: Request)
 
     def keep(_: int, ev: TokenEvent) -> None:
         if ev.token_id is not None:
-            tokens.append(_token(ev))
+            tokens.append(_token(state, ev))
 
     await run_to_end(request, [gen], keep)
     text = body.inputs + gen.text if body.parameters.return_full_text else gen.text
@@ -275,7 +303,7 @@ async def _events(gen: Generation, body: GenerateRequest, seed: int | None) -> A
                 if ev.finish_reason in ("error", "abort"):
                     yield sse({"error": ev.error or "the request was aborted", "error_type": "generation"})
                 return
-            data: dict = {"token": _token(ev), "generated_text": None, "details": None}
+            data: dict = {"token": _token(gen.state, ev), "generated_text": None, "details": None}
             if ev.finished:
                 full = body.inputs + gen.text if body.parameters.return_full_text else gen.text
                 data["generated_text"] = full
