@@ -27,6 +27,7 @@ from lora_helpers import make_peft_adapter
 from loraplane_server.config import EngineConfig
 from loraplane_server.engine.block_manager import BlockManager
 from loraplane_server.engine.input_processor import CheckedPrompt, InputProcessor
+from loraplane_server.executor.structured import Grammars
 from loraplane_server.request_output import RequestOutput
 from loraplane_server.sampling_params import SamplingParams
 from loraplane_server.serving.http.app import create_app
@@ -191,6 +192,7 @@ class RecordingEngine:
             len(tokenizer),
             BlockManager(1024, 16, False),
             Speculator(EngineConfig(), max_model_len).method,
+            Grammars(tokenizer, len(tokenizer), self.eos_token_ids),  # the routes compile a constraint ahead
         )
         self.answer = tokenizer.encode("ok", add_special_tokens=False)[0]
         self.recorded: list[Recorded] = []

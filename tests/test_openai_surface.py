@@ -630,3 +630,50 @@ def test_the_openai_client_reads_top_logprobs_and_the_shapers_take_effect(
     )
     text = shaped.choices[0].text
     assert text and tokenizer.encode(text, add_special_tokens=False)[0] != first
+
+
+@pytest.mark.parametrize(
+    ("route", "fields", "name"),
+    [
+        (COMPLETIONS, {"guided_regex": "[a-"}, "guided_regex"),
+        (CHAT, {"structured_outputs": {"grammar": "root ::= undefined_rule"}}, "structured_outputs"),
+        (
+            CHAT,
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {
+                        "name": "x",
+                        "schema": {"type": "object", "properties": {"a": {"type": "string", "pattern": "(["}}},
+                    },
+                }
+            },
+            "response_format",
+        ),  # fmt: skip
+        (
+            CHAT,
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": "f",
+                            "parameters": {"type": "object", "properties": {"a": {"type": "string", "pattern": "(["}}},
+                        },
+                    }
+                ],
+                "tool_choice": "required",
+            },
+            "tools",
+        ),  # fmt: skip
+    ],
+)
+def test_a_constraint_that_does_not_compile_is_a_400_naming_its_field(
+    app: RecordingApp, route: str, fields: dict, name: str
+) -> None:
+    """Compiled on a worker thread before the engine sees the request: a 400 naming the field and why."""
+    outcome = send(app, route, **fields)
+    assert outcome.response.status_code == 400, outcome.response.text
+    error = outcome.response.json()["error"]
+    assert error["param"] == name and error["code"] == "invalid_constraint" and "compile" in error["message"]
+    assert not outcome.recorded

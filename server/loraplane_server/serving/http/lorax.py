@@ -43,6 +43,7 @@ from loraplane_server.serving.http.sampling import (
     ValidText,
     check_budget,
     check_honoured,
+    compile_ahead,
     decode,
     encode,
     make_params,
@@ -217,6 +218,7 @@ async def _prepare(state: ServerState, body: GenerateRequest, request: Request) 
         max_new = min(max_new, DEFAULT_MAX_NEW_TOKENS)
     else:
         prompt, max_new = check_budget(state, ids, p.max_new_tokens, "parameters.max_new_tokens")
+    await compile_ahead(state, structured, "parameters.response_format")
     # TGI: any warper (temperature != 1, top_k, top_p < 1) turns sampling on, temperature 0 turns it off
     warpers = p.temperature not in (None, 1.0) or bool(p.top_k) or p.top_p not in (None, 1.0)
     sampling = (p.do_sample or warpers) and p.temperature != 0.0

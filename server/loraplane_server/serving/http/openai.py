@@ -39,6 +39,7 @@ from loraplane_server.serving.http.sampling import (
     check_budget,
     check_honoured,
     check_token_ids,
+    compile_ahead,
     decode,
     encode,
     make_params,
@@ -84,6 +85,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
             param="n",
         )
     checked = [check_budget(state, ids, body.max_tokens, "max_tokens") for ids in prompts]
+    await compile_ahead(state, structured, constraint_field(body))
     gens = make_generations(
         state, "openai", body, checked, body.logprobs is not None, arrival, adapter_id, structured, body.logprobs or 0
     )
@@ -208,6 +210,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     ids = truncate_prompt(state, body, ids, max_new)
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     checked = check_budget(state, ids, max_new, param)
+    await compile_ahead(state, structured, "tools" if forced is not None else constraint_field(body))
     top = body.top_logprobs or 0
     if top and not body.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
@@ -422,6 +425,12 @@ def check_request(body: SamplingFields) -> StructuredOutput | None:
             body.guided_json, body.guided_regex, body.guided_choice, body.guided_grammar, body.guided_decoding_backend
         )
     )
+
+
+def constraint_field(body: SamplingFields) -> str:
+    """The field that set the request's constraint (check_request allows one), for an error naming it."""
+    fields = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+    return next((f for f in fields if getattr(body, f) is not None), "response_format")
 
 
 def truncate_prompt(state: ServerState, body: SamplingFields, ids: list[int], max_new: int | None) -> list[int]:

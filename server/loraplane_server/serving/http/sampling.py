@@ -15,6 +15,7 @@ which the error handler answers with a 400 naming the field.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import inspect
 import json
@@ -31,7 +32,7 @@ from pydantic_core import PydanticCustomError
 
 from loraplane_server.engine.input_processor import CheckedPrompt
 from loraplane_server.errors import InvalidParameterError, InvalidPromptError
-from loraplane_server.sampling_params import SamplingParams
+from loraplane_server.sampling_params import SamplingParams, StructuredOutput
 from loraplane_server.serving.http.errors import UNICODE_ERROR, ApiError, api_error
 from loraplane_server.serving.http.state import ServerState
 from loraplane_server.serving.http.tools import tools_in_messages
@@ -72,6 +73,19 @@ def chat_prompt_ids(
     """A chat prompt's token ids: the template's text, encoded without adding special tokens a second time."""
     options = options or ChatOptions()
     return encode(state, chat_prompt(state, messages, options), add_special_tokens=options.add_special_tokens)
+
+
+async def compile_ahead(state: ServerState, structured: StructuredOutput | None, param: str) -> None:
+    """A constraint compiled on a worker thread before its request reaches the engine (a schema may take a few
+    hundred ms: neither the event loop nor the engine's step waits for it; the engine then finds it in the
+    cache); one that does not compile is a 400 naming the request's field (`param`) and why."""
+    if structured is None:
+        return
+    engine, _ = state.require_engine()
+    try:
+        await asyncio.to_thread(engine.inputs.check_structured, structured)
+    except InvalidParameterError as exc:
+        raise ApiError(400, f"{param}: {exc}", param=param, code="invalid_constraint") from exc
 
 
 def check_token_ids(state: ServerState, token_ids: list[int], param: str) -> list[int]:
