@@ -243,11 +243,15 @@ def test_choices_batches_logprobs_and_echo(oai: OpenAI, lorax: Client) -> None:
 
     lp = oai.completions.create(model=BASE, prompt=PROMPTS[0], max_tokens=5, temperature=0, logprobs=0, echo=True)
     choice = lp.choices[0]
-    assert choice.text.startswith(PROMPTS[0]) and len(choice.logprobs.token_logprobs) == 5
-    assert all(x <= 0 for x in choice.logprobs.token_logprobs)
-    assert "".join(choice.logprobs.tokens) == choice.text[len(PROMPTS[0]) :]
-    details = lorax.generate(PROMPTS[0], max_new_tokens=5, details=True).details
-    assert [round(t.logprob, 4) for t in details.tokens] == [round(x, 4) for x in choice.logprobs.token_logprobs]
+    # echo with logprobs (OpenAI's): the prompt's tokens first, the first with none, then the 5 generated
+    n = lp.usage.prompt_tokens
+    token_logprobs = choice.logprobs.token_logprobs
+    assert choice.text.startswith(PROMPTS[0]) and len(token_logprobs) == n + 5 and token_logprobs[0] is None
+    assert all(x <= 0 for x in token_logprobs[1:])
+    assert "".join(choice.logprobs.tokens) == choice.text
+    details = lorax.generate(PROMPTS[0], max_new_tokens=5, details=True, decoder_input_details=True).details
+    assert [round(t.logprob, 4) for t in details.tokens] == [round(x, 4) for x in token_logprobs[n:]]
+    assert [t.logprob for t in details.prefill[1:]] == pytest.approx(token_logprobs[1:n], abs=1e-4)
     chat = oai.chat.completions.create(
         model=BASE, messages=[{"role": "user", "content": "Hi"}], max_tokens=3, temperature=0, logprobs=True
     )

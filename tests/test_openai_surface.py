@@ -187,7 +187,7 @@ SHARED: dict[str, Case] = {
     "truncate_prompt_tokens": honoured(2, lambda o, b: o.prompt == b.prompt[-2:], truncation_side="left"),
     "truncation_side": honoured("right", lambda o, b: o.prompt == b.prompt[:2], truncate_prompt_tokens=2),
     "allowed_token_ids": refused([1]),
-    "prompt_logprobs": refused(1),
+    "prompt_logprobs": honoured(1, lambda o, b: o.params.prompt_logprobs == 1 and b.params.prompt_logprobs is None),
     "logprob_token_ids": refused([1]),
     "bad_words": refused(["x"]),
     "structured_outputs": honoured({"regex": "a+"}, structured("regex", "a+")),
@@ -221,6 +221,7 @@ CASES: dict[str, dict[str, Case]] = {
     COMPLETIONS: {
         **SHARED,
         "echo": honoured(True, lambda o, b: o.body["choices"][0]["text"] == PROMPT + b.body["choices"][0]["text"]),
+        # (echo with logprobs asks the engine for the prompt's logprobs: tests/test_openai_surface.py's end to end)
         "logprobs": honoured(
             2,
             lambda o, b: (
@@ -677,3 +678,29 @@ def test_a_constraint_that_does_not_compile_is_a_400_naming_its_field(
     error = outcome.response.json()["error"]
     assert error["param"] == name and error["code"] == "invalid_constraint" and "compile" in error["message"]
     assert not outcome.recorded
+
+
+@pytest.mark.slow
+def test_echo_with_logprobs_and_prompt_logprobs_show_the_prompts_logprobs(server: ServerProcess) -> None:
+    """OpenAI's echo with logprobs: the prompt's tokens first (the first with none), then the generated ones;
+    vLLM's prompt_logprobs give the same values; LoRAX's decoder_input_details too. Streaming it is a 422."""
+    body = {"model": "smollm2-135m", "prompt": PROMPT, "max_tokens": 2, "temperature": 0}
+    echoed = _post(server, COMPLETIONS, {**body, "echo": True, "logprobs": 2})["choices"][0]
+    plain = _post(server, COMPLETIONS, {**body, "prompt_logprobs": 2})["choices"][0]
+    lp = echoed["logprobs"]
+    prompt_entries = plain["prompt_logprobs"]
+    n = len(prompt_entries)  # the prompt's tokens
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None and prompt_entries[0] is None
+    assert len(lp["tokens"]) == n + 2 and "".join(lp["tokens"][:n]) == PROMPT
+    for k in range(1, n):
+        entry = prompt_entries[k]
+        own = next(v for v in entry.values() if v["decoded_token"] == lp["tokens"][k] and v["rank"] >= 1)
+        assert lp["token_logprobs"][k] == pytest.approx(own["logprob"], abs=1e-5)
+        assert len(lp["top_logprobs"][k]) == 2 and len(entry) in (2, 3)  # the token itself, when not in the top 2
+    assert lp["text_offset"][0] == 0 and lp["text_offset"][n] == len(PROMPT)
+    refused = httpx.post(f"{server.url}{COMPLETIONS}", json={**body, "echo": True, "logprobs": 1, "stream": True})
+    assert refused.status_code == 422 and refused.json()["error"]["param"] == "echo"
+    details = {"details": True, "decoder_input_details": True, "max_new_tokens": 2}
+    prefill = _post(server, "/generate", {"inputs": PROMPT, "parameters": details})["details"]["prefill"]
+    assert prefill[0]["logprob"] is None and len(prefill) == n
+    assert [p["logprob"] for p in prefill[1:]] == pytest.approx(lp["token_logprobs"][1:n], abs=1e-4)

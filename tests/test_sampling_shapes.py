@@ -152,3 +152,52 @@ def test_a_bias_outside_the_vocabulary_is_refused_and_the_engine_serves_on(engin
 def test_shaped_requests_do_not_speculate(params: SamplingParams) -> None:
     assert not params.speculates
     assert SamplingParams().speculates
+
+
+@pytest.mark.parametrize("chunk", [None, 8])
+def test_prompt_logprobs_are_transformers_log_softmax_over_the_prompt(smollm2_dir: Path, chunk: int | None) -> None:
+    """Each prompt token's logprob given the ones before it, its rank and the top-3, in one prefill or in chunks of
+    8 tokens, and with the prefix cache on: a second request with the same prompt computes them again (a cached
+    prefix would have none)."""
+    overrides: dict[str, object] = {"num_kv_blocks": 256, "max_model_len": 512, "enable_prefix_caching": True}
+    if chunk is not None:
+        overrides["max_num_batched_tokens"] = chunk
+    engine = make_engine(smollm2_dir, **overrides)
+    prompt = PROMPT + " Paris, Lyon and Marseille, with Nice and Toulouse close behind."
+    outs = [generate(engine, SamplingParams(max_new_tokens=2, prompt_logprobs=3), prompt) for _ in range(2)]
+    model = AutoModelForCausalLM.from_pretrained(str(smollm2_dir), dtype=torch.float32).eval()
+    ids = list(outs[0].prompt_token_ids)
+    with torch.inference_mode():
+        logp = model(torch.tensor([ids])).logits[0].log_softmax(dim=-1)
+    for out in outs:
+        assert out.prompt_logprobs is not None and len(out.prompt_logprobs) == len(ids) - 1
+        for pos, (token, lp, rank, top) in enumerate(out.prompt_logprobs, start=1):
+            row = logp[pos - 1]
+            assert token == ids[pos]
+            assert lp == pytest.approx(float(row[token]), abs=2e-4)
+            assert rank == int((row > row[token]).sum()) + 1
+            ref_lps, ref_ids = row.topk(3)
+            assert [t for t, _ in top] == ref_ids.tolist()
+            assert [v for _, v in top] == pytest.approx(ref_lps.tolist(), abs=2e-4)
+    assert outs[1].num_cached_tokens == 0  # the prefix cache is not read for them
+
+
+def test_prompt_logprobs_survive_preemption_by_recompute_unchanged(engine: LLMEngine, smollm2_dir: Path) -> None:
+    """A KV cache too small for the batch: sequences are preempted and recomputed, and each keeps one entry per
+    prompt position, the values of the roomy engine (not recorded twice, not lost)."""
+    small = make_engine(smollm2_dir, num_kv_blocks=12, max_model_len=256, enable_prefix_caching=False)
+    prompts = [f"{PROMPT} number {i} of twelve, counting slowly:" for i in range(12)]
+    params = SamplingParams(max_new_tokens=48, ignore_eos=True, prompt_logprobs=1)
+    ids = [small.add_request(p, params) for p in prompts]
+    preempted: set[str] = set()
+    done = {}
+    while small.has_unfinished:
+        done.update((o.request_id, o) for o in small.step() if o.finished)
+        preempted |= {rid for rid, seq in small.requests.items() if seq.num_preemptions}
+    assert preempted
+    for rid, prompt in zip(ids, prompts, strict=True):
+        ref = generate(engine, params, prompt)
+        got = done[rid].prompt_logprobs
+        assert got is not None and ref.prompt_logprobs is not None
+        assert [(t, r) for t, _, r, _ in got] == [(t, r) for t, _, r, _ in ref.prompt_logprobs]
+        assert [lp for _, lp, _, _ in got] == pytest.approx([lp for _, lp, _, _ in ref.prompt_logprobs], abs=1e-4)

@@ -29,6 +29,8 @@ class RequestOutput:
     text: str = ""  # final output only
     logprobs: list[float] = field(default_factory=list)  # final output only
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # final output only
+    # prompt_logprobs: positions 1.. (token id, logprob, rank, top-k); on the first output with a token and the final
+    prompt_logprobs: list[tuple[int, float, int, list[tuple[int, float]]]] | None = None
     num_cached_tokens: int = 0
     adapter_id: str | None = None
     error: str | None = None  # why finish_reason is "error": str(failure)

@@ -61,6 +61,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0  # this many most likely tokens per position, with their logprobs (implies logprobs)
+    # the prompt tokens' logprobs (each given the tokens before it), with this many alternatives; None: off
+    prompt_logprobs: int | None = None
     # off | ngram (prompt lookup) | draft (the server's draft model) speculative decoding; None: the server's default
     speculative: str | None = None
     # constrain the output (JSON, a schema, a regex, a choice, a grammar); None: free text
@@ -86,6 +88,11 @@ class SamplingParams:
             ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "must be in [-2, 2]"),
             ("min_p", 0.0 <= self.min_p <= 1.0, "must be in [0, 1]"),
             ("top_logprobs", 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS, f"must be in [0, {MAX_TOP_LOGPROBS}]"),
+            (
+                "prompt_logprobs",
+                self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS,
+                f"must be in [0, {MAX_TOP_LOGPROBS}]",
+            ),
         ]
         for name, ok, why in checks:
             if not ok:

@@ -17,6 +17,10 @@ if TYPE_CHECKING:
     import torch
 
 
+# a prompt position's logprob: (its token id, the logprob, its rank (1: the most likely), the top-k (id, logprob))
+PromptLogprob = tuple[int, float, int, list[tuple[int, float]]]
+
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -64,6 +68,8 @@ class Sequence:
         # runner leaves this step's in step_top_logprobs for the engine to append
         self.top_logprobs: list[list[tuple[int, float]]] = []
         self.step_top_logprobs: list[tuple[int, float]] | None = None
+        # prompt_logprobs: prompt positions 1.. as (token id, logprob, rank, top-k (id, logprob)), from the runner
+        self.prompt_logprobs: list[PromptLogprob] = []
         self.detok = Detokenizer(self.num_prompt_tokens, params.stop)
         self.generator = None
         self.spec: SpecState | None = None  # speculation (prompt lookup or the draft), when this request uses it

@@ -76,8 +76,9 @@ class BlockManager:
 
     # prefix cache
     def find_cached_blocks(self, seq: Sequence) -> list[int]:
-        """Block ids holding a prefix of seq's tokens; always leaves at least one token to compute."""
-        if not self.enable_prefix_caching:
+        """Block ids holding a prefix of seq's tokens; always leaves at least one token to compute. None for a
+        request that wants its prompt's logprobs: every prompt position is computed for them."""
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             return []
         found: list[int] = []
         prev: int | None = None

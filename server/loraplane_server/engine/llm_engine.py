@@ -379,6 +379,8 @@ class LLMEngine:
             self.scheduler.finish(seq, reason)
         out = self._output(seq, [token], kept)
         out.delta_top_logprobs = top
+        if seq.params.prompt_logprobs is not None and seq.num_output_tokens == 1:
+            out.prompt_logprobs = seq.prompt_logprobs
         if reason is not None:
             self._release(seq)
         return [out]
@@ -439,6 +441,8 @@ class LLMEngine:
         if finished:
             out.token_ids, out.text, out.logprobs = seq.output_token_ids, seq.detok.text, seq.logprobs
             out.top_logprobs = seq.top_logprobs
+            if seq.params.prompt_logprobs is not None:
+                out.prompt_logprobs = seq.prompt_logprobs
         return out
 
     def _release(self, seq: Sequence) -> None:

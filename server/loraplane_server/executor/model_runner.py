@@ -65,6 +65,7 @@ class ModelRunner:
         self.lora_slots = lora_slots
         self.use_backends(backends)
         self.nonfinite: list[Sequence] = []  # sequences whose logits were NaN or inf, for the engine to fail
+        self.prompt_rows: list[tuple[Sequence, int]] = []  # this step's prompt_logprobs rows: (sequence, position)
 
     def use_backends(self, backends: Backends) -> None:
         """The backends resolved once at engine start (backends.py), handed to the model's layers too."""
@@ -98,12 +99,17 @@ class ModelRunner:
         samplers: list[Sequence] = []
         row_seqs: list[Sequence] = []  # the sequence of each logits row
         chunks: list[PrefillChunk] = []
+        prompt_rows: list[tuple[int, Sequence, int]] = []  # prompt_logprobs: (input row, sequence, position)
         bs = self.block_size
         for i, (seq, n) in enumerate(decodes + prefills):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             if i >= len(decodes):
                 table = torch.tensor(seq.block_table[: -(-end // bs)], dtype=torch.int64)
                 chunks.append(PrefillChunk(len(ids), n, start, table.to(self.device)))
+            if seq.params.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:
+                # each prompt position's row predicts the next prompt token (the last one's is the sampler's)
+                last = min(end, seq.num_prompt_tokens - 1)
+                prompt_rows += [(len(ids) + p - start, seq, p) for p in range(start, last)]
             ids.extend(seq.token_ids[start:end] if not seq.proposed else seq.token_ids[start:] + seq.proposed)
             positions.extend(range(start, end))
             slots.extend(seq.block_table[p // bs] * bs + p % bs for p in range(start, end))
@@ -115,6 +121,9 @@ class ModelRunner:
                 logits_rows.extend(range(len(ids) - n, len(ids)))
                 samplers.append(seq)
                 row_seqs.extend([seq] * n)
+        logits_rows += [row for row, _, _ in prompt_rows]  # after the samplers' rows: run() splits them off
+        row_seqs += [seq for _, seq, _ in prompt_rows]
+        self.prompt_rows = [(seq, p) for _, seq, p in prompt_rows]
         tables, lens = None, None
         if decodes:
             width = max(len(s.block_table) for s, _ in decodes)
@@ -178,12 +187,15 @@ class ModelRunner:
         speculative sequence its accepted proposals and the model's own next token (verifier.py)."""
         if self.graphs is not None and self.graphs.applies(scheduled):
             samplers = [s for s, _ in scheduled]
+            self.prompt_rows = []
             fill = self.matchers.fill(first_rows(samplers))  # structured output's masks, filled during the forward
             logits = self.graphs.forward(samplers)  # [S, V]
         else:
             input_ids, batch, samplers = self.prepare(scheduled)
             fill = self.matchers.fill(first_rows(samplers))
             logits = self.model(input_ids, self.kv_caches, batch)  # [R, V]
+        if self.prompt_rows:
+            logits = self._record_prompt_logprobs(logits)
         if not samplers:
             return [], [], []
         if len(logits) > len(samplers):  # speculative rows: the verifier reads every row of a sequence
@@ -224,6 +236,28 @@ class ModelRunner:
                     self._set_aside(samplers[i])
         keep = [i for i, v in enumerate(ok) if v]
         return [samplers[i] for i in keep], [[int(ids[i])] for i in keep], [[lps[i]] for i in keep]
+
+    def _record_prompt_logprobs(self, logits: torch.Tensor) -> torch.Tensor:
+        """The prompt rows' logprobs (the last rows of logits) onto their sequences: each prompt token's logprob
+        under the model given the tokens before it, its rank, and the top-k when asked; the samplers' rows back.
+        A position already recorded (a sequence recomputed after preemption) is not recorded again."""
+        n = len(self.prompt_rows)
+        rows, logits = logits[-n:].float(), logits[:-n]
+        logp = rows.log_softmax(dim=-1)  # [n, V]
+        targets = torch.tensor([seq.token_ids[p + 1] for seq, p in self.prompt_rows], device=logits.device)
+        chosen = logp.gather(1, targets[:, None])  # [n, 1]
+        ranks = (logp > chosen).sum(dim=-1) + 1  # 1: the most likely token
+        k = max(seq.params.prompt_logprobs or 0 for seq, _ in self.prompt_rows)
+        top_lps, top_ids = logp.topk(k, dim=-1) if k else (logp[:, :0], targets[:, None][:, :0])
+        values = torch.stack((chosen[:, 0].double(), ranks.double()), dim=1).tolist()
+        top = list(zip(top_ids.tolist(), top_lps.tolist(), strict=True))
+        for (seq, p), (lp, rank), (ids, lps) in zip(self.prompt_rows, values, top, strict=True):
+            if p == len(seq.prompt_logprobs):  # position p + 1 is the next one this sequence lacks
+                want = seq.params.prompt_logprobs or 0
+                alternatives = list(zip(ids[:want], lps[:want], strict=True))
+                seq.prompt_logprobs.append((seq.token_ids[p + 1], lp, int(rank), alternatives))
+        self.prompt_rows = []
+        return logits
 
     def _drop_nonfinite(self, logits: torch.Tensor, samplers: list[Sequence]) -> tuple[torch.Tensor, list[Sequence]]:
         """Set aside the sequences whose logits rows hold NaN or inf (validation keeps them out, this is the

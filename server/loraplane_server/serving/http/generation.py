@@ -73,6 +73,8 @@ class Generation:
         self.token_ids: list[int] = []
         self.logprobs: list[float | None] = []
         self.top_logprobs: list[list[tuple[int, float]]] = []  # per output token, when params.top_logprobs > 0
+        # params.prompt_logprobs: prompt positions 1.. as (token id, logprob, rank, alternatives)
+        self.prompt_logprobs: list[tuple[int, float, int, list[tuple[int, float]]]] | None = None
         self._pieces: list[str] = []  # the engine's text deltas, joined when text is read
         self.finish_reason: str | None = None
         self.error: str | None = None
@@ -162,7 +164,7 @@ class Generation:
         if token is not None:
             self.token_ids.append(token)
             if (self.params.logprobs or self.params.top_logprobs) and out.delta_logprobs:
-                logprob = _finite(out.delta_logprobs[-1])
+                logprob = finite(out.delta_logprobs[-1])
             self.logprobs.append(logprob)
             if self.params.top_logprobs:
                 # a token a grammar or a -100 bias forbids has logprob -inf: JSON has no such number, and it is
@@ -173,6 +175,8 @@ class Generation:
                 self.state.metrics.itl.observe(now - self._last_token_time)
             self._last_token_time = now
             self.first_token_time = self.first_token_time or now
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         piece = out.delta_text  # held back by the engine until safe to show: the pieces add up to the final text
         self._pieces.append(piece)
         self._speculation = (out.num_spec_proposed, out.num_spec_accepted, out.num_spec_steps)
@@ -228,7 +232,7 @@ class Generation:
         return h
 
 
-def _finite(logprob: float | None) -> float | None:
+def finite(logprob: float | None) -> float | None:
     """JSON has no NaN or Infinity: a non-finite logprob (degenerate logits) is reported as null."""
     return logprob if logprob is not None and math.isfinite(logprob) else None
 

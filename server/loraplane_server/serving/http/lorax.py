@@ -32,7 +32,7 @@ from loraplane_server.serving.http.admin import (
     unauthorized,
 )
 from loraplane_server.serving.http.errors import ApiError
-from loraplane_server.serving.http.generation import Generation, SSEResponse, TokenEvent, run_to_end, sse
+from loraplane_server.serving.http.generation import Generation, SSEResponse, TokenEvent, finite, run_to_end, sse
 from loraplane_server.serving.http.openai_protocol import (
     REPETITION_PENALTY_DOC,
     SPECULATIVE_DOC,
@@ -235,6 +235,7 @@ async def _prepare(state: ServerState, body: GenerateRequest, request: Request) 
         ignore_eos=p.ignore_eos_token,
         logprobs=True,
         top_logprobs=p.return_k_alternatives or 0,
+        prompt_logprobs=0 if p.details and p.decoder_input_details else None,
         speculative=p.speculative,
         structured=structured,
     )
@@ -285,7 +286,13 @@ async def _generate(state: ServerState, body: GenerateRequest, request: Request)
 
 
 def _prefill(state: ServerState, gen: Generation) -> list[dict]:
-    return [{"id": i, "text": decode(state, [i]), "logprob": None} for i in gen.prompt_ids]
+    """LoRAX's decoder input details: each prompt token with its logprob given those before it (none for the
+    first)."""
+    logprobs = [None, *(finite(lp) for _, lp, _, _ in gen.prompt_logprobs or [])]
+    return [
+        {"id": i, "text": decode(state, [i]), "logprob": logprobs[k] if k < len(logprobs) else None}
+        for k, i in enumerate(gen.prompt_ids)
+    ]
 
 
 async def _stream(state: ServerState, body: GenerateRequest, request: Request) -> Response:

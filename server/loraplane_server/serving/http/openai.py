@@ -22,6 +22,7 @@ from loraplane_server.serving.http.generation import (
     SSEResponse,
     TokenEvent,
     close_all,
+    finite,
     merged_events,
     run_to_end,
     sse,
@@ -84,6 +85,13 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
             "choices allowed in one request",
             param="n",
         )
+    if body.stream and body.echo and body.logprobs is not None:
+        raise ApiError(
+            422,
+            "echo with logprobs is answered whole, not streamed: send stream false (or leave out echo or logprobs)",
+            param="echo",
+            code="unsupported_parameter",
+        )
     checked = [check_budget(state, ids, body.max_tokens, "max_tokens") for ids in prompts]
     await compile_ahead(state, structured, constraint_field(body))
     gens = make_generations(
@@ -118,14 +126,40 @@ def _prompts(state: ServerState, body: CompletionRequest) -> tuple[list[str], li
     return [decode(state, x) for x in batch], batch
 
 
-def _completion_logprobs(state: ServerState, gen: Generation, offset: int) -> dict:
+def _completion_logprobs(state: ServerState, gen: Generation, offset: int, echo: bool = False) -> dict:
+    """OpenAI's legacy logprobs: the generated tokens, or with echo the prompt's first (its first token has
+    none: nothing comes before it), each with its logprob, its alternatives when asked and its text offset."""
     tokens = token_strings(state, gen.token_ids)
+    logprobs: list[float | None] = list(gen.logprobs)
+    top: list[dict[str, float] | None] | None = None
+    if gen.params.top_logprobs:
+        top = [_top_dict(state, t) for t in gen.top_logprobs]
+    if echo:
+        prompt = gen.prompt_logprobs or []
+        tokens = token_strings(state, gen.prompt_ids) + tokens
+        logprobs = [None, *(finite(lp) for _, lp, _, _ in prompt), *logprobs]
+        if top is not None:
+            top = [None, *(_top_dict(state, alt) for _, _, _, alt in prompt), *top]
+        offset = 0
     offsets, pos = [], offset
     for t in tokens:
         offsets.append(pos)
         pos += len(t)
-    top = [_top_dict(state, t) for t in gen.top_logprobs] if gen.params.top_logprobs else None
-    return {"tokens": tokens, "token_logprobs": gen.logprobs, "top_logprobs": top, "text_offset": offsets}
+    return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+def prompt_logprobs_of(state: ServerState, gen: Generation) -> list[dict[str, dict[str, Any]] | None] | None:
+    """vLLM's prompt_logprobs: None for the first prompt token, then per token its own entry and its top-k
+    alternatives, each {logprob, rank, decoded_token} by token id."""
+    if gen.params.prompt_logprobs is None:
+        return None
+    out: list[dict[str, dict[str, Any]] | None] = [None]
+    for token, lp, rank, alternatives in gen.prompt_logprobs or []:
+        entry = {str(token): {"logprob": finite(lp), "rank": rank, "decoded_token": decode(state, [token])}}
+        for r, (alt, alt_lp) in enumerate(alternatives, start=1):
+            entry.setdefault(str(alt), {"logprob": finite(alt_lp), "rank": r, "decoded_token": decode(state, [alt])})
+        out.append(entry)
+    return out
 
 
 def _top_dict(state: ServerState, top: list[tuple[int, float]]) -> dict[str, float]:
@@ -137,8 +171,11 @@ def _completion_choice(
     state: ServerState, body: CompletionRequest, index: int, gen: Generation, prompt_text: str
 ) -> dict:
     prefix = prompt_text if body.echo else ""
-    logprobs = _completion_logprobs(state, gen, len(prefix)) if body.logprobs is not None else None
-    return {"index": index, "text": prefix + gen.text, "logprobs": logprobs, "finish_reason": finish_reason(gen)}
+    logprobs = _completion_logprobs(state, gen, len(prefix), body.echo) if body.logprobs is not None else None
+    choice = {"index": index, "text": prefix + gen.text, "logprobs": logprobs, "finish_reason": finish_reason(gen)}
+    if body.prompt_logprobs is not None:
+        choice["prompt_logprobs"] = prompt_logprobs_of(state, gen)
+    return choice
 
 
 def _completion_stream(
@@ -235,7 +272,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
             "finish_reason": fr,
         }
 
-    return await respond(request, body, gens, rid, ts, "chat.completion", choice)
+    def extra() -> dict[str, Any]:  # vLLM's place for a chat's prompt logprobs: the response's top level
+        return {"prompt_logprobs": prompt_logprobs_of(state, gens[0])} if body.prompt_logprobs is not None else {}
+
+    return await respond(request, body, gens, rid, ts, "chat.completion", choice, extra)
 
 
 def _message(m: ChatMessage, calls_in_template: bool = True) -> dict[str, Any]:
@@ -490,6 +530,7 @@ def sampling_params(
         ignore_eos=body.ignore_eos,
         logprobs=logprobs,
         top_logprobs=top_logprobs,
+        prompt_logprobs=prompt_logprobs(body),
         presence_penalty=body.presence_penalty or 0.0,
         frequency_penalty=body.frequency_penalty or 0.0,
         logit_bias=logit_bias(body.logit_bias),
@@ -497,6 +538,15 @@ def sampling_params(
         speculative=body.speculative,
         structured=structured,
     )
+
+
+def prompt_logprobs(body: SamplingFields) -> int | None:
+    """The alternatives per prompt position the engine computes: vLLM's prompt_logprobs, and for a completion
+    that echoes its prompt with logprobs, as many as its generated tokens get (OpenAI's echo shows the prompt's
+    logprobs too)."""
+    if isinstance(body, CompletionRequest) and body.echo and body.logprobs is not None:
+        return max(body.prompt_logprobs or 0, body.logprobs)
+    return body.prompt_logprobs
 
 
 def logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
@@ -570,8 +620,10 @@ async def respond(
     ts: int,
     kind: str,
     choice: Callable[[int, Generation], dict],
+    extra: Callable[[], dict[str, Any]] | None = None,
 ) -> JSONResponse:
-    """The non-streaming answer: every choice run to its end, then {id, object, created, model, choices, usage}."""
+    """The non-streaming answer: every choice run to its end, then {id, object, created, model, choices, usage}
+    and the fields `extra` gives once the run is over."""
     await run_to_end(request, gens)
     data = {
         "id": rid,
@@ -580,5 +632,6 @@ async def respond(
         "model": body.model,
         "choices": [choice(i, g) for i, g in enumerate(gens)],
         "usage": usage(gens, body.n),
+        **(extra() if extra is not None else {}),
     }
     return JSONResponse(data, headers=headers(gens, rid))

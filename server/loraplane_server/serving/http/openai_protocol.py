@@ -130,7 +130,12 @@ class SamplingFields(ValidText):
     spaces_between_special_tokens: bool = only(True, what="spaces_between_special_tokens false")
     allowed_token_ids: list[int] | None = only(None, what="allowed_token_ids")
     bad_words: list[str] | None = only(None, [], what="bad_words")
-    prompt_logprobs: int | None = only(None, what="prompt_logprobs")
+    prompt_logprobs: int | None = Field(
+        default=None,
+        ge=0,
+        le=MAX_TOP_LOGPROBS,
+        description="vLLM extension: each prompt token's logprob given those before it, with this many alternatives",
+    )
     logprob_token_ids: list[int] | None = only(None, what="logprob_token_ids")
     priority: int = only(0, what="request priority")
     return_tokens_as_token_ids: bool | None = only(None, False, what="return_tokens_as_token_ids")
