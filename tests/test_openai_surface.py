@@ -24,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import jsonschema
+import lorax
 import lorax.types
 import openai.types.chat.completion_create_params as chat_params
 import openai.types.completion_create_params as completion_params
@@ -704,3 +706,22 @@ def test_echo_with_logprobs_and_prompt_logprobs_show_the_prompts_logprobs(server
     prefill = _post(server, "/generate", {"inputs": PROMPT, "parameters": details})["details"]["prefill"]
     assert prefill[0]["logprob"] is None and len(prefill) == n
     assert [p["logprob"] for p in prefill[1:]] == pytest.approx(lp["token_logprobs"][1:n], abs=1e-4)
+
+
+@pytest.mark.slow
+def test_the_lorax_client_gets_json_and_alternatives(server: ServerProcess) -> None:
+    """The real lorax-client over HTTP: response_format with a schema (the text validates), return_k_alternatives
+    (each token's alternatives, best first, the greedy token first) and decoder_input_details."""
+    client = lorax.Client(server.url, timeout=120)
+    fmt = {"type": "json_object", "schema": SCHEMA}
+    answer = client.generate("A JSON object about Paris:", max_new_tokens=48, response_format=fmt)
+    jsonschema.validate(json.loads(answer.generated_text), SCHEMA)
+    details = client.generate(
+        PROMPT, max_new_tokens=3, return_k_alternatives=3, decoder_input_details=True, details=True
+    ).details
+    assert details is not None and len(details.tokens) == 3
+    for token in details.tokens:
+        alternatives = token.alternative_tokens or []
+        assert len(alternatives) == 3 and alternatives[0].id == token.id
+        assert [a.logprob for a in alternatives] == sorted((a.logprob for a in alternatives), reverse=True)
+    assert details.prefill[0].logprob is None and all(p.logprob is not None for p in details.prefill[1:])
