@@ -190,6 +190,21 @@ def test_string_length_bounds_become_a_pattern_of_unescaped_characters() -> None
     assert re.fullmatch(props["a"]["pattern"][1:-1], "abcde") and not re.fullmatch(props["a"]["pattern"], "a\tb")
 
 
+def test_without_xgrammar_a_constraint_is_refused_with_the_reason(
+    monkeypatch: pytest.MonkeyPatch, smollm2_dir: Path
+) -> None:
+    """The GPU check's machine has no xgrammar: the engine runs there, and a constrained request is refused."""
+    from transformers import AutoTokenizer
+
+    import loraplane_server.executor.structured as structured
+
+    monkeypatch.setattr(structured, "xgr", None)
+    grammars = Grammars(AutoTokenizer.from_pretrained(str(smollm2_dir)), 49152, [0])
+    with pytest.raises(InvalidParameterError, match="xgrammar"):
+        grammars.compile(StructuredOutput("json_object"))
+    assert len(Matchers(49152)) == 0  # the runner's matchers start without it
+
+
 def test_compile_reason_drops_the_log_prefix() -> None:
     error = RuntimeError("[09:34:27] /project/cpp/regex_converter.cc:83: Regex parsing error at position 3: x\nmore")
     assert compile_reason(error) == "Regex parsing error at position 3: x"

@@ -27,11 +27,16 @@ from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-import xgrammar as xgr
 from torch import Tensor
+
+try:
+    import xgrammar as xgr
+except ImportError:  # the GPU check's machine has neither xgrammar nor pydantic (which it imports): the engine
+    # runs there without structured output, and a constrained request is refused with the reason
+    xgr = None  # type: ignore[assignment]
 
 from loraplane_server.errors import InvalidParameterError, RequestFailedError
 from loraplane_server.sampling_params import StructuredOutput
@@ -70,7 +75,10 @@ _SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "d
 # a string's length bounds served as a pattern up to this length (`fast_strings`)
 MAX_PATTERN_LENGTH = 64
 _JSON_CHAR = r'[^"\\\u0000-\u001f]'  # a character a JSON string holds unescaped
-CompiledGrammar = xgr.CompiledGrammar  # what the input processor hands the engine for a constrained request
+if TYPE_CHECKING:
+    from xgrammar import CompiledGrammar  # what the input processor hands the engine for a constrained request
+else:
+    CompiledGrammar = Any
 _LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: .*? is false: )?")
 
 
@@ -171,6 +179,11 @@ class Grammars:
         self.misses = 0
 
     def compiler(self) -> xgr.GrammarCompiler:
+        if xgr is None:
+            raise InvalidParameterError(
+                "structured output needs the xgrammar package, which this installation does not have",
+                param="structured",
+            )
         with self._lock:
             if self._compiler is None:
                 info = xgr.TokenizerInfo.from_huggingface(
@@ -273,7 +286,7 @@ class Matchers:
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
         self._matchers: dict[int, xgr.GrammarMatcher] = {}
-        self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)  # [rows, ceil(V / 32)] int32, grown on demand
+        self._bitmask = torch.empty(0, 0, dtype=torch.int32)  # [rows, ceil(V / 32)] int32, grown on demand
         self._worker: ThreadPoolExecutor | None = None  # started at the first constrained step
         self.threads = min(APPLY_THREADS, os.cpu_count() or 1)  # this one and the workers, applying masks
         self._batch: xgr.BatchGrammarMatcher | None = None  # fills rows on C++ threads (half the cores)
