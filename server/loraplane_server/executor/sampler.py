@@ -222,17 +222,18 @@ class Sampler:
         decode step, so it is skipped when unwanted)."""
         rows = [i for i, p in enumerate(params) if p.logprobs or p.top_logprobs]
         k = max((p.top_logprobs for p in params), default=0)
+        chosen = torch.full((len(params),), float("nan"), device=logits.device)
         if not rows:
-            return torch.full((len(params),), float("nan"), device=logits.device), None
-        if len(rows) == len(params):
-            logp = logits.log_softmax(dim=-1)
-            chosen = logp.gather(1, token_ids[:, None]).squeeze(1)  # [B]
-        else:
-            idx = torch.tensor(rows, dtype=torch.long, device=logits.device)
-            logp = torch.full_like(logits, float("nan"))
-            logp[idx] = logits[idx].log_softmax(dim=-1)
-            chosen = logp.gather(1, token_ids[:, None]).squeeze(1)
+            return chosen, None
+        # the asking rows alone: a mixed step (LoRAX asks for logprobs, OpenAI's default does not) pays for them only
+        idx = torch.tensor(rows, dtype=torch.long, device=logits.device)
+        asking = logits if len(rows) == len(params) else logits.index_select(0, idx)
+        logp = asking.log_softmax(dim=-1)  # [R, V]
+        chosen[idx] = logp.gather(1, token_ids[idx, None]).squeeze(1)
         if k == 0:
             return chosen, None
-        top_lps, top_ids = logp.nan_to_num(nan=float("-inf")).topk(k, dim=-1)  # [B, K], best first
+        sub_lps, sub_ids = logp.topk(k, dim=-1)  # [R, K], best first
+        top_ids = torch.zeros(len(params), k, dtype=torch.long, device=logits.device)
+        top_lps = torch.full((len(params), k), float("-inf"), device=logits.device)
+        top_ids[idx], top_lps[idx] = sub_ids, sub_lps
         return chosen, (top_ids, top_lps)
