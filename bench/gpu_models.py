@@ -393,6 +393,22 @@ def last_logits(model: Any, ids: list[int], adapter: str | None) -> torch.Tensor
         return model(torch.tensor([ids], device=model.device)).logits[0, -1].float()  # [V]
 
 
+@torch.no_grad()
+def sequence_logits(model: Any, prompt: list[int], adapter: str | None, new: list[int]) -> torch.Tensor:
+    """The logits [len(new), V] that chose each of `new` after `prompt` (one forward over prompt + new)."""
+    with with_adapter(model, adapter):
+        logits = model(torch.tensor([prompt + new], device=model.device)).logits[0].float()
+    return logits[len(prompt) - 1 : len(prompt) + len(new) - 1]
+
+
+def gap_errors(coarse: torch.Tensor, exact: torch.Tensor) -> list[float]:
+    """Per row, how far `coarse` (a bf16 reference's logits) misjudges the exact top-2 gap: with a, b the exact
+    top two, |(coarse[a] - coarse[b]) - (exact[a] - exact[b])|."""
+    top = exact.topk(2, dim=-1).indices  # [N, 2]
+    c, e = coarse.gather(1, top), exact.gather(1, top)
+    return ((c[:, 0] - c[:, 1]) - (e[:, 0] - e[:, 1])).abs().tolist()
+
+
 def divergence(model: Any, prompt: list[int], adapter: str | None, ours: list[int], ref: list[int]) -> dict | None:
     """None when equal; else where they part and, on the common prefix, the reference's logit gaps there
     (gaps()), in the reference's own dtype."""

@@ -5,11 +5,15 @@ Tests import this by name (tests/ is on sys.path through its conftest), like lor
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
 from loraplane_server.config import EngineConfig
 from loraplane_server.engine.llm_engine import LLMEngine, RequestOutput
+
+# bench/gpu.py runs the gpu tests in parallel workers on one GPU: each CUDA engine then takes this share of it
+GPU_SHARE_ENV = "LORAPLANE_TEST_GPU_MEMORY_UTILIZATION"
 
 
 def make_engine(model_dir: Path, **overrides: object) -> LLMEngine:
@@ -17,6 +21,10 @@ def make_engine(model_dir: Path, **overrides: object) -> LLMEngine:
     other field is the test's (EngineConfig's defaults otherwise). A disk_cache_dir keeps adapter copies
     out of the user's cache: tests that load adapters pass one under their tmp_path."""
     fields: dict = {"model": str(model_dir), "dtype": "float32", **overrides}
+    share = os.environ.get(GPU_SHARE_ENV)
+    if share and str(fields.get("device", "")).startswith("cuda"):  # engines of parallel test workers on one GPU
+        asked = fields.get("gpu_memory_utilization")
+        fields["gpu_memory_utilization"] = min(float(share), float(asked)) if asked else float(share)  # type: ignore[arg-type]
     return LLMEngine(EngineConfig(**fields))
 
 

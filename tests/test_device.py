@@ -1,23 +1,19 @@
 """Choosing the device (--device), its refusals, the GPU memory budget's arithmetic and its profiling step,
-on any machine: what needs a GPU itself is marked `gpu` (bench/gpu.py runs those first on one)."""
+on any machine: what needs a GPU itself is marked `gpu` (bench/gpu.py runs those first on one, where no HTTP
+stack is installed: `loraplane serve`'s device checks are in test_device_serving.py)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
 from engine_helpers import make_engine
-from test_http_support import REPO, ServerProcess, admin_headers
 
 from loraplane_server.config import CPU_KV_CACHE_BYTES, EngineConfig
 from loraplane_server.executor.memory_profile import profile_blocks, profile_chunks, profile_step
 from loraplane_server.executor.model_runner import ModelRunner, kv_block_bytes
 from loraplane_server.executor.models.loader import checkpoint_bytes, load_model
-from loraplane_server.platforms import cpu_features
 from loraplane_server.platforms.device import (
     GIB,
     DeviceError,
@@ -69,67 +65,6 @@ def test_cuda_index_past_the_last_gpu() -> None:
     with pytest.raises(DeviceError, match=f"shows {count} CUDA device"):
         resolve_device(f"cuda:{count}")
     assert resolve_device("cuda") == torch.device("cuda", 0)
-
-
-def _serve_fails(args: list[str], tmp_path: Path) -> tuple[int, str]:
-    proc = subprocess.run(
-        [sys.executable, "-m", "loraplane_server.serving.cli", "serve", "--port", "0", *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    return proc.returncode, proc.stderr.strip().splitlines()[-1]
-
-
-@pytest.mark.skipif(HAS_CUDA, reason="a machine without a usable CUDA device")
-def test_serve_on_cuda_without_a_gpu_fails_its_start_with_the_reason(tmp_path: Path) -> None:
-    """A pod given --device cuda (the operator's choice for a GPU pod) that cannot use CUDA ends with the
-    one-line reason its termination message (and so BaseModelServer status.model) carries: no CPU fallback."""
-    code, last = _serve_fails(["--device", "cuda", "--model", "smollm2-135m"], tmp_path)
-    assert code == 1
-    assert last == f"loraplane: failed to start: --device cuda: {cuda_unusable_reason()}"
-
-
-def test_serve_refuses_gpu_options_on_the_cpu(tmp_path: Path) -> None:
-    code, last = _serve_fails(["--device", "cpu", "--gpu-memory-utilization", "0.5"], tmp_path)
-    assert code == 1
-    assert (
-        last
-        == "loraplane: failed to start: --gpu-memory-utilization applies to CUDA devices; this engine runs on the cpu"
-    )
-
-
-def test_serve_refuses_a_bad_device_name() -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "loraplane_server.serving.cli", "serve", "--device", "gpu0"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 2
-    assert "device='gpu0': expected auto, cpu, cuda or cuda:N" in proc.stderr
-
-
-def test_debug_engine_reports_the_device_and_backends(smollm2_dir: Path, tmp_path: Path) -> None:
-    server = ServerProcess(
-        ["--model", str(smollm2_dir), "--device", "cpu", "--admin-token", "test-admin-token-0123"],
-        tmp_path / "server.log",
-    )
-    try:
-        server.wait_ready()
-        state = httpx.get(f"{server.url}/v1/debug/engine", headers=admin_headers(), timeout=30).json()
-    finally:
-        server.stop()
-    assert state["device"]["device"] == "cpu"
-    assert state["device"]["name"] == cpu_features.describe()
-    assert state["device"]["total_memory_bytes"] is None
-    assert state["dtype"] == "float32"
-    assert set(state["backends"]) == {"attention", "layers", "lora", "fuse_layers"}
-    assert state["backends"]["lora"] in ("torch", "cpu_kernel")
-    assert state["memory_plan"] is None  # the CPU's KV cache is --kv-cache-gib's
-    assert state["paths"].startswith(cpu_features.describe())
 
 
 # the GPU memory budget (pure arithmetic)

@@ -75,6 +75,24 @@ def test_mixed_adapters_and_base_equal_peft(
         assert tokens == peft_greedy(tiny_llama_dir, adapters.get(name) if name else None, [prompt], [n])[0]
 
 
+def test_split_shrinks_equal_the_torch_path(
+    tiny_llama_dir: Path, adapters: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The split IN reduction the shrink takes on a GPU (partial sums added atomically), forced under the
+    interpreter: 16-column chunks (the tiny model's 64 are one chunk otherwise) and a GPU's 132 multiprocessors."""
+    from loraplane_server.kernels import triton_lora
+
+    calls: list[int] = []
+    split = triton_lora.shrink_split
+    monkeypatch.setattr(triton_lora, "_BLOCK_IN", 16)
+    monkeypatch.setattr(triton_lora, "multiprocessors", lambda device: 132)
+    monkeypatch.setattr(triton_lora, "shrink_split", lambda *a: calls.append(split(*a)) or calls[-1])
+    work = [(name, [3 + i, 9, 27, 40 + i, 5, 11][: 2 + i % 5], 4) for i, name in enumerate([*adapters, None] * 2)]
+    got = _greedy(_engine(tiny_llama_dir, tmp_path, TRITON_ON_CPU), adapters, work)
+    assert calls and min(calls) > 1  # every shrink split
+    assert got == _greedy(_engine(tiny_llama_dir, tmp_path, CPU_TORCH), adapters, work)
+
+
 @pytest.mark.parametrize("where", DEVICES)
 def test_chunked_prefill_over_a_cached_prefix(where: dict[str, str], tiny_llama_dir: Path, tmp_path: Path) -> None:
     """Prompts longer than a step's token budget prefill in chunks over their own cached context, and a second

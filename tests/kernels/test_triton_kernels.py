@@ -7,7 +7,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first importe
 import pytest
 import torch
 
-from loraplane_server.kernels.triton_lora import sgmv_expand, sgmv_shrink, triton_available
+from loraplane_server.kernels.triton_lora import sgmv_expand, sgmv_shrink, shrink_split, triton_available
 
 pytestmark = [
     pytest.mark.skipif(not triton_available(), reason="needs triton with CUDA or TRITON_INTERPRET=1"),
@@ -94,9 +94,16 @@ LAYOUTS = {
 NUM_ROWS = 64
 
 
-def run_shrink(x, a, segments: list[Segment], ranks: list[int], max_seg_len: int | None = None) -> torch.Tensor:
+def run_shrink(
+    x, a, segments: list[Segment], ranks: list[int], max_seg_len: int | None = None, split_k: int = 1
+) -> torch.Tensor:
+    """The shrink into a SENTINEL-filled out; split, the adapter rows zeroed first (the split's contract)."""
     out = torch.full((x.shape[0], a.shape[1]), SENTINEL, dtype=torch.float32, device=DEVICE)
-    sgmv_shrink(x, a, *segment_tensors(segments), int32(ranks), out, max_seg_len=max_seg_len)
+    if split_k > 1:
+        for start, length, slot in segments:
+            if slot >= 0:
+                out[start : start + length] = 0.0
+    sgmv_shrink(x, a, *segment_tensors(segments), int32(ranks), out, max_seg_len=max_seg_len, split_k=split_k)
     return out
 
 
@@ -130,6 +137,28 @@ def test_shrink_rank_tiles_past_rank_write_zeros():
     torch.testing.assert_close(got, expected_shrink(x, a, segments, ranks), **FP32_TOL)
     assert (got[:5, 8:] == 0).all()
     assert (got[24:] == SENTINEL).all()
+
+
+@pytest.mark.parametrize("split_k", [2, 3, 5])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_shrink_split_over_in_sums_the_parts(layout: str, split_k: int):
+    """IN split between programs whose partial sums meet in out: 200 columns are 4 chunks of 64 (the last 8
+    wide), split 2, 3 (one split left empty) and 5 (more splits than chunks)."""
+    gen = torch.Generator().manual_seed(5)
+    ranks, num_in = [4, 8, 16], 200
+    segments = LAYOUTS[layout](gen)
+    a, _ = make_stacks(ranks, 16, num_in, 8, torch.float32, gen)
+    x = torch.randn(NUM_ROWS, num_in, generator=gen).to(DEVICE)
+    got = run_shrink(x, a, segments, ranks, split_k=split_k)
+    torch.testing.assert_close(got, expected_shrink(x, a, segments, ranks), **FP32_TOL)
+
+
+@pytest.mark.parametrize(
+    ("programs", "chunks", "sms", "split"),
+    [(1, 64, 132, 64), (256, 64, 132, 3), (4096, 64, 132, 1), (1, 2, 132, 2), (8, 64, 0, 1)],
+)
+def test_shrink_split_fills_the_multiprocessors(programs: int, chunks: int, sms: int, split: int):
+    assert shrink_split(programs, chunks, sms) == split
 
 
 # expand

@@ -12,6 +12,7 @@ Runs on CUDA, or on CPU tensors under TRITON_INTERPRET=1 (set before triton is f
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from typing import Any
@@ -68,15 +69,18 @@ def _shrink_kernel(
     stride_ak: int,
     stride_ot: int,
     stride_or: int,
+    k_per_split: int,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_IN: tl.constexpr,
+    SPLIT_K: tl.constexpr,
 ) -> None:
     seg = tl.program_id(0)
     t0 = tl.program_id(1) * BLOCK_T
-    r0 = tl.program_id(2) * BLOCK_R
+    r0 = (tl.program_id(2) // SPLIT_K) * BLOCK_R
+    k_start = (tl.program_id(2) % SPLIT_K) * k_per_split  # this program's share of the IN reduction
     slot = tl.load(slots_ptr + seg).to(tl.int64)
     seg_len = tl.load(lens_ptr + seg)
     if (slot < 0) | (t0 >= seg_len):
@@ -86,20 +90,25 @@ def _shrink_kernel(
     row_mask = (t0 + tl.arange(0, BLOCK_T)) < seg_len
     offs_r = r0 + tl.arange(0, BLOCK_R)  # [BR]
     r_mask = offs_r < rank
-    offs_k = tl.arange(0, BLOCK_IN)  # [BK]
+    offs_k = k_start + tl.arange(0, BLOCK_IN)  # [BK]
     x_tile = x_ptr + rows[:, None] * stride_xt + offs_k[None, :] * stride_xk  # [BT, BK]
     a_tile = a_ptr + slot * stride_as + offs_r[None, :] * stride_ar + offs_k[:, None] * stride_ak  # [BK, BR]
     acc = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
-    num_in_live = tl.where(r0 < rank, num_in, 0)  # a rank tile past the slot's rank only writes zeros
-    for k0 in range(0, num_in_live, BLOCK_IN):
-        k_mask = (k0 + offs_k) < num_in
+    k_end = tl.minimum(k_start + k_per_split, num_in)
+    k_end = tl.where(r0 < rank, k_end, k_start)  # a rank tile past the slot's rank only writes zeros
+    for k0 in range(k_start, k_end, BLOCK_IN):
+        k_mask = (k0 - k_start + offs_k) < k_end
         xv = tl.load(x_tile, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         av = tl.load(a_tile, mask=k_mask[:, None] & r_mask[None, :], other=0.0)
         acc = tl.dot(xv.to(DOT_DTYPE), av.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)
         x_tile += BLOCK_IN * stride_xk
         a_tile += BLOCK_IN * stride_ak
     out_tile = out_ptr + rows[:, None] * stride_ot + offs_r[None, :] * stride_or
-    tl.store(out_tile, acc, mask=row_mask[:, None] & (offs_r < num_r)[None, :])
+    out_mask = row_mask[:, None] & (offs_r < num_r)[None, :]
+    if SPLIT_K == 1:
+        tl.store(out_tile, acc, mask=out_mask)
+    else:  # the splits' partial sums meet in out, which holds zeros in these rows
+        tl.atomic_add(out_tile, acc, mask=out_mask)
 
 
 @_jit
@@ -188,12 +197,19 @@ def sgmv_shrink(
     ranks: torch.Tensor,
     out: torch.Tensor,
     max_seg_len: int | None = None,
+    split_k: int | None = None,
 ) -> None:
     """out[rows of each segment] = x[rows] @ a_stack[slot, :rank].T, in fp32; columns >= rank get 0.
 
     x [T, IN]; a_stack [S, R, IN] zero-padded to the max rank R; seg_starts, seg_lens, seg_slots [G] int32
     (slot -1: no adapter, rows left untouched); ranks [S] int32; out [T, R] float32. Rows outside every
     segment are left untouched. max_seg_len, if the caller knows it, shrinks the grid.
+
+    split_k: how many programs share each tile's IN reduction. A decode step has one row per segment, so
+    without a split a batch of one runs a single program through all of IN (4,096 columns: 64 dependent loads)
+    while the GPU's other multiprocessors idle; split, the programs add their partial sums into out with
+    atomics, so out must hold zeros in the segments' rows (fp32 sums in any order: not bit-reproducible). None:
+    enough splits for about four programs per multiprocessor on CUDA, 1 elsewhere (the interpreter).
     """
     _check_segments(seg_starts, seg_lens, seg_slots)
     num_rows, num_in = x.shape
@@ -203,15 +219,39 @@ def sgmv_shrink(
     if seg_starts.numel() == 0 or num_rows == 0:
         return
     block_r = max(16, min(_BLOCK_R, triton.next_power_of_2(num_r)))
-    grid = (seg_starts.numel(), _num_token_tiles(num_rows, max_seg_len), triton.cdiv(num_r, block_r))
-    _shrink_kernel[grid](
+    tiles = (seg_starts.numel(), _num_token_tiles(num_rows, max_seg_len), triton.cdiv(num_r, block_r))
+    chunks = triton.cdiv(num_in, _BLOCK_IN)
+    split = split_k
+    if split is None:
+        split = shrink_split(tiles[0] * tiles[1] * tiles[2], chunks, multiprocessors(x.device))
+    if split < 1:
+        raise ValueError(f"split_k must be >= 1, got {split}")
+    k_per_split = triton.cdiv(chunks, split) * _BLOCK_IN  # whole BLOCK_IN chunks: each split's loads stay aligned
+    _shrink_kernel[(tiles[0], tiles[1], tiles[2] * split)](
         x, a_stack, out, seg_starts, seg_lens, seg_slots, ranks,
         num_in, num_r,
         x.stride(0), x.stride(1),
         a_stack.stride(0), a_stack.stride(1), a_stack.stride(2),
         out.stride(0), out.stride(1),
-        **_dot_args(a_stack.dtype), BLOCK_T=_BLOCK_T, BLOCK_R=block_r, BLOCK_IN=_BLOCK_IN,
+        k_per_split,
+        **_dot_args(a_stack.dtype), BLOCK_T=_BLOCK_T, BLOCK_R=block_r, BLOCK_IN=_BLOCK_IN, SPLIT_K=split,
     )  # fmt: skip
+
+
+def shrink_split(programs: int, chunks: int, multiprocessors: int) -> int:
+    """The IN splits that give a shrink of `programs` tiles about four programs per multiprocessor, each split at
+    least one BLOCK_IN chunk of the `chunks` (pure; 1 where `multiprocessors` is 0)."""
+    return max(1, min(chunks, -(-4 * multiprocessors // max(programs, 1))))
+
+
+def multiprocessors(device: torch.device) -> int:
+    """The CUDA device's multiprocessors; 0 elsewhere (the interpreter runs programs one by one: no split)."""
+    return _cuda_multiprocessors(device.index or 0) if device.type == "cuda" else 0
+
+
+@functools.cache
+def _cuda_multiprocessors(index: int) -> int:
+    return int(torch.cuda.get_device_properties(index).multi_processor_count)
 
 
 def sgmv_expand(
