@@ -317,6 +317,7 @@ class Run:
             gpu_memory_utilization=self.args.gpu_memory_utilization if gpu else None,
             kv_cache_bytes=None if gpu else 256 << 20,
             enforce_eager=eager,
+            layer_backend=self.args.layer_backend,
             max_num_seqs=s.max_num_seqs,
             max_num_batched_tokens=s.max_num_batched_tokens,
             max_model_len=s.max_model_len,
@@ -1147,6 +1148,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tie-tolerance", type=float, default=0.05, help="bf16 parity: a near tie's logit gap")
     p.add_argument("--layers-8b", type=int, help="fewer layers for the Llama-3.1-8B shape (recorded)")
     p.add_argument("--multi-lora-8b", action="store_true", help="also the multi_lora workload on the 8B shape")
+    p.add_argument("--layer-backend", default="auto", help="the bench engines' layer_backend (auto: triton on CUDA)")
     p.add_argument("--max-loras", type=int, help="multi_lora's device slots (adapters in one batch; default 64)")
     p.add_argument("--peft-subset", type=int, help="multi_lora's PEFT subset in requests (0: skip PEFT; default 64)")
     p.add_argument("--enforce-eager", action="store_true", help="every engine eager (no CUDA graphs), e.g. a rerun")

@@ -15,7 +15,7 @@ from loraplane_server.sampling_params import SamplingParams
 from loraplane_server.sequence import Sequence
 from loraplane_server.spec.policy import SpecState
 
-TRITON_ON_CPU = {"device": "cpu", "attention_backend": "triton", "lora_backend": "triton", "layer_backend": "torch"}
+TRITON_ON_CPU = {"device": "cpu", "attention_backend": "triton", "lora_backend": "triton", "layer_backend": "triton"}
 
 
 @pytest.mark.parametrize(

@@ -12,6 +12,7 @@ import torch
 from engine_helpers import make_engine, run_all
 
 from lora_helpers import peft_greedy
+from loraplane_server.config import EngineConfig
 from loraplane_server.engine.llm_engine import LLMEngine
 from loraplane_server.kernels.triton_lora import triton_available
 from loraplane_server.sampling_params import SamplingParams
@@ -19,7 +20,7 @@ from loraplane_server.sampling_params import SamplingParams
 pytestmark = pytest.mark.skipif(not triton_available(), reason="triton is not importable")
 
 # (device, the backends the CUDA path picks by itself, spelled out where the CPU must be told)
-TRITON_ON_CPU = {"device": "cpu", "attention_backend": "triton", "lora_backend": "triton", "layer_backend": "torch"}
+TRITON_ON_CPU = {"device": "cpu", "attention_backend": "triton", "lora_backend": "triton", "layer_backend": "triton"}
 ON_CUDA = {"device": "cuda"}
 CPU_TORCH = {"device": "cpu", "attention_backend": "torch", "lora_backend": "torch"}  # the reference
 DEVICES = [
@@ -65,7 +66,7 @@ def test_mixed_adapters_and_base_equal_peft(
     engine = _engine(tiny_llama_dir, tmp_path, where)
     if where is ON_CUDA:
         assert engine.device.type == "cuda" and engine.runner.kv_caches.is_cuda
-    assert (engine.attention_backend, engine.lora_backend.name, engine.layer_backend) == ("triton", "triton", "torch")
+    assert (engine.attention_backend, engine.lora_backend.name, engine.layer_backend) == ("triton", "triton", "triton")
     got = _greedy(engine, adapters, work)
     reference = _engine(
         tiny_llama_dir, tmp_path, {"device": "cpu", "attention_backend": "torch", "lora_backend": "torch"}
@@ -130,3 +131,19 @@ def test_cuda_engine_describes_its_gpu(tiny_llama_dir: Path, tmp_path: Path) -> 
     assert info.total_memory_bytes == torch.cuda.get_device_properties(0).total_memory
     assert engine.dtype == torch.bfloat16
     assert engine.describe().startswith(f"cuda:0 ({info.name}")
+
+
+def test_layer_backend_triton_is_chosen_on_cuda_and_asked_for_elsewhere(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """auto: the Triton layer ops on CUDA only (the CPU keeps its kernels or torch); triton: them under the
+    interpreter too, every norm, attention and MLP of the model switched, and the engine says so."""
+    from loraplane_server.executor.backends import resolve_backends
+    from loraplane_server.executor.layers.norm import RMSNorm
+
+    assert not resolve_backends(EngineConfig(), torch.device("cpu"), torch.float32).layer_triton
+    engine = _engine(tiny_llama_dir, tmp_path, TRITON_ON_CPU)
+    assert engine.backends.layer_triton and engine.backends.to_dict()["layers"] == "triton"
+    assert "layers triton" in engine.describe()
+    modules = [m for m in engine.runner.model.modules() if isinstance(m, RMSNorm)]
+    assert modules and all(m.triton for m in modules)
+    with pytest.raises(ValueError, match="layer_backend"):
+        EngineConfig(layer_backend="cuda_kernel")

@@ -96,8 +96,8 @@ class EngineConfig:
             raise ValueError(
                 f"attention_backend={self.attention_backend!r}: expected auto, torch, cpu_kernel or triton"
             )
-        if self.layer_backend not in ("auto", "torch", "cpu_kernel"):
-            raise ValueError(f"layer_backend={self.layer_backend!r}: expected auto, torch or cpu_kernel")
+        if self.layer_backend not in ("auto", "torch", "cpu_kernel", "triton"):
+            raise ValueError(f"layer_backend={self.layer_backend!r}: expected auto, torch, cpu_kernel or triton")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ValueError("num_kv_blocks must be >= 2")
         if self.speculative not in ("off", "ngram", "draft"):

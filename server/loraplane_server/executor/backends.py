@@ -24,11 +24,14 @@ class Backends:
     # layers before the last through cpu_kernels.decoder_layer where the model and the step allow it
     # (executor/models/llama.py); off: the Python layers, the same kernels one by one
     fuse_layers: bool
+    # CUDA (or the Triton interpreter): the norm with the residual add, rotary and SiLU-and-multiply as one Triton
+    # kernel each (kernels/triton_layer_ops.py); the linear layers stay torch's
+    layer_triton: bool = False
 
     @property
     def layer_backend(self) -> str:
-        """The resolved layer_backend: cpu_kernel or torch."""
-        return "cpu_kernel" if self.layer_kernels else "torch"
+        """The resolved layer_backend: cpu_kernel, triton or torch."""
+        return "cpu_kernel" if self.layer_kernels else "triton" if self.layer_triton else "torch"
 
     def to_dict(self) -> dict[str, str | bool]:
         """Every backend chosen, by concern, for /v1/debug/engine."""
@@ -55,7 +58,19 @@ def resolve_backends(config: EngineConfig, device: torch.device, dtype: torch.dt
     layer_kernels = _layer_kernels(config.layer_backend, device, dtype)
     attention.kernel_kv_write = layer_kernels
     lora = resolve_lora(config.lora_backend, "cpu_kernel" if layer_kernels else "torch", device)
-    return Backends(attention, layer_kernels, lora, config.fuse_layers)
+    return Backends(attention, layer_kernels, lora, config.fuse_layers, _layer_triton(config.layer_backend, device))
+
+
+def _layer_triton(requested: str, device: torch.device) -> bool:
+    """auto: the Triton layer ops on CUDA where triton imports; triton: them wherever triton runs (CUDA, or the
+    interpreter), else an error now."""
+    from loraplane_server.kernels.triton_lora import triton_available
+
+    if requested == "triton":
+        if not triton_available():
+            raise ValueError("layer_backend=triton needs triton and a CUDA device (or TRITON_INTERPRET=1)")
+        return True
+    return requested == "auto" and device.type == "cuda" and triton_available()
 
 
 def _layer_kernels(requested: str, device: torch.device, dtype: torch.dtype) -> bool:

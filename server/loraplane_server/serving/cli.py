@@ -93,8 +93,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--layer-backend",
         default="auto",
-        choices=["auto", "torch", "cpu_kernel"],
-        help="dense layers: auto uses the compiled CPU kernels (linear, fused norms, BGMV) on the CPU in bf16",
+        choices=["auto", "torch", "cpu_kernel", "triton"],
+        help="dense layers: auto uses the compiled CPU kernels (linear, fused norms, BGMV) on the CPU in bf16 and "
+        "the Triton layer ops (norm with the residual add, rotary, SiLU-and-multiply) on CUDA",
     )
     p.add_argument(
         "--speculative",

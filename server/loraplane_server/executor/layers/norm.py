@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loraplane_server.kernels import cpu_kernels
+from loraplane_server.kernels import cpu_kernels, triton_layer_ops
 
 
 class RMSNorm(nn.Module):
@@ -14,6 +14,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.triton = False  # the Triton layer op (CUDA: LlamaForCausalLM.use_backends)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # fused, and bitwise equal to x * rsqrt(mean(x^2) + eps) in float32 as transformers computes it
@@ -25,6 +26,9 @@ class RMSNorm(nn.Module):
         bf16 on the CPU, one fused pass (csrc/layer_ops_cpu.cpp)."""
         if kernels and residual.dtype == torch.bfloat16 and self.weight.dtype == torch.bfloat16:
             return cpu_kernels.add_rms_norm(residual, delta, self.weight, self.eps)
+        unit = residual.dim() == 2 and residual.stride(1) == 1 and (delta is None or delta.stride(-1) == 1)
+        if self.triton and unit and residual.dtype == self.weight.dtype:
+            return triton_layer_ops.add_rms_norm(residual, delta, self.weight, self.eps)
         if delta is not None:
             residual.add_(delta)  # the same rounding as `residual + delta`
         return self(residual)

@@ -22,7 +22,7 @@ from loraplane_server.executor.layers.rotary import RotaryEmbedding, apply_rotar
 from loraplane_server.executor.lora.backends.base import LoRABatch
 from loraplane_server.executor.lora.layout import LayerShape
 from loraplane_server.executor.models.args import ModelArgs
-from loraplane_server.kernels import cpu_kernels
+from loraplane_server.kernels import cpu_kernels, triton_layer_ops
 
 if TYPE_CHECKING:
     from loraplane_server.executor.backends import Backends
@@ -44,6 +44,7 @@ class Attention(nn.Module):
         self.kernel_rotary = args.is_llama_shaped  # the CPU rotary kernel rotates whole heads
         self.layer_idx = layer_idx
         self.kernels = False  # the bf16 CPU layer kernels; this and the backend: LlamaForCausalLM.use_backends
+        self.triton = False  # the Triton layer ops (CUDA): rotary
         self.backend: AttentionBackend = TorchAttention()
 
     def forward(
@@ -66,6 +67,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.kernels and q.dtype == torch.bfloat16 and self.kernel_rotary:
             cpu_kernels.rotary_(q, k, *cos_sin)  # in place
+        elif self.triton and cos_sin[0].shape[-1] == self.head_dim:  # whole heads rotated
+            triton_layer_ops.rotary_(q, k, *cos_sin)  # in place
         else:
             q, k = apply_rotary(q, k, *cos_sin)
         out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], batch, self.scale)  # [T, H, D]
@@ -85,6 +88,7 @@ class MLP(nn.Module):
         self.intermediate_size = inter
         self.hidden_act = args.hidden_act
         self.kernels = False  # the bf16 CPU layer kernels (LlamaForCausalLM.use_backends)
+        self.triton = False  # the Triton layer ops (CUDA): SiLU-and-multiply
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         if self.hidden_act != "silu":  # the CPU kernels fuse SiLU only
@@ -97,6 +101,8 @@ class MLP(nn.Module):
         gate_up = self.gate_up(x, batch)
         if kernels:
             return self.down(cpu_kernels.silu_mul(gate_up), batch)
+        if self.triton and gate_up.stride(-1) == 1:
+            return self.down(triton_layer_ops.silu_mul(gate_up), batch)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down(F.silu(gate) * up, batch)
 
@@ -240,6 +246,8 @@ class LlamaForCausalLM(nn.Module):
                 module.backend = backends.attention
             if isinstance(module, Attention | MLP | DecoderLayer | ProjectionLinear):
                 module.kernels = backends.layer_kernels
+            if isinstance(module, Attention | MLP | RMSNorm):
+                module.triton = backends.layer_triton
         layers = self.decoder_layers
         for i, layer in enumerate(layers):
             if self.fused_layers:
