@@ -62,6 +62,12 @@ VARIANTS: dict[str, tuple[str, dict]] = {
             ),
         ),
     ),
+    # YaRN, as Qwen2.5 / Qwen3 configs extend their context (factor 4 over an original 32 tokens: the prompts
+    # run past it; mscale's attention factor != 1)
+    "qwen3-yarn": (
+        "qwen3",
+        dict(rope_parameters=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=32, rope_theta=1e4)),
+    ),
     "gemma3": ("gemma3", {}),
     # linear rope scaling on the global layers alone, as every Gemma 3 from 4B up; sqrt(80) is not exact in any
     # dtype, so the embedding scale's rounding counts
@@ -637,3 +643,35 @@ def test_triton_decode_attention_matches_transformers(
     prompts, max_new, join = prompts_within(96, seed=19)
     prompts, max_new, join = prompts[:4], [min(n, 8) for n in max_new[:4]], join[:4]
     assert run_staggered(engine, prompts, max_new, join) == hf_greedy(model_dir, prompts, max_new)
+
+
+@pytest.mark.parametrize(
+    "yarn",
+    [
+        dict(factor=4.0, original_max_position_embeddings=32),
+        dict(factor=8.0, original_max_position_embeddings=64, beta_fast=16, beta_slow=2, truncate=False),
+        dict(factor=None, original_max_position_embeddings=256, mscale=0.707, mscale_all_dim=0.707),  # from the lengths
+        dict(factor=2.0, original_max_position_embeddings=4096, attention_factor=1.25),
+    ],
+)
+def test_yarn_frequencies_and_attention_factor_are_transformers(yarn: dict) -> None:
+    """YaRN's inverse frequencies and cos/sin factor equal transformers' for each way a config states them."""
+    from transformers import Qwen3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from loraplane_server.executor.layers.rotary import rope_attention_scaling, rope_inv_freq
+
+    params = {"rope_type": "yarn", "rope_theta": 10000.0, **yarn}
+    config = Qwen3Config(head_dim=64, max_position_embeddings=1024, rope_parameters=params)
+    expected, factor = ROPE_INIT_FUNCTIONS["yarn"](config, torch.device("cpu"))
+    torch.testing.assert_close(rope_inv_freq(64, 10000.0, params, 1024), expected, atol=0, rtol=1e-6)
+    assert rope_attention_scaling(params, 1024) == pytest.approx(factor, rel=1e-12)
+
+
+def test_dynamic_ntk_is_refused_with_the_supported_list() -> None:
+    """Dynamic NTK rescales with each forward's length in transformers (cached keys keep their old rotation),
+    which a continuous batch cannot reproduce per request: refused, naming what is supported."""
+    from loraplane_server.executor.layers.rotary import rope_inv_freq
+
+    with pytest.raises(ValueError, match="'dynamic'.*yarn"):
+        rope_inv_freq(64, 1e4, {"rope_type": "dynamic", "factor": 2.0})

@@ -1,4 +1,4 @@
-"""Rotary position embeddings (default, linear, Llama 3 and LongRoPE frequency scaling; full or partial
+"""Rotary position embeddings (default, linear, Llama 3, YaRN and LongRoPE frequency scaling; full or partial
 rotary dims), cos/sin cached once."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import math
 import torch
 from torch import nn
 
-SUPPORTED_SCALING = ("default", "linear", "llama3", "longrope")
+SUPPORTED_SCALING = ("default", "linear", "llama3", "yarn", "longrope")
 
 
 def rope_kind(scaling: dict | None) -> str:
@@ -16,8 +16,11 @@ def rope_kind(scaling: dict | None) -> str:
     return "longrope" if kind == "su" else kind  # "su" is LongRoPE's first name in Phi-3 configs
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
-    """head_dim: the rotated dims (all of a head's, or a partial rotary's share)."""
+def rope_inv_freq(
+    head_dim: int, theta: float, scaling: dict | None, max_position_embeddings: int | None = None
+) -> torch.Tensor:
+    """head_dim: the rotated dims (all of a head's, or a partial rotary's share); max_position_embeddings: the
+    model's (YaRN without a factor derives it from this)."""
     shape = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
     kind = rope_kind(scaling)
     if kind == "longrope":  # the short factors: the engine caps the context where transformers uses them
@@ -29,6 +32,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
     assert scaling is not None
     if kind == "linear":
         return inv_freq / scaling["factor"]
+    if kind == "yarn":
+        return yarn_inv_freq(inv_freq, head_dim, theta, scaling, yarn_factor(scaling, max_position_embeddings))
     if kind == "llama3":
         factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
         old_len = scaling["original_max_position_embeddings"]
@@ -41,8 +46,51 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
     raise ValueError(f"unsupported rope scaling type {kind!r} (supported: {', '.join(SUPPORTED_SCALING)})")
 
 
+def yarn_factor(scaling: dict, max_position_embeddings: int | None = None) -> float:
+    """YaRN's context factor: the config's, else max_position_embeddings over the original (DeepSeek-V3's form)."""
+    if scaling.get("factor") is not None:
+        return float(scaling["factor"])
+    if not max_position_embeddings:
+        raise ValueError("YaRN rope scaling without a factor needs max_position_embeddings")
+    return max_position_embeddings / scaling["original_max_position_embeddings"]
+
+
+def yarn_inv_freq(inv_freq: torch.Tensor, dims: int, theta: float, scaling: dict, factor: float) -> torch.Tensor:
+    """YaRN (arXiv 2309.00071, "NTK-by-parts"): frequencies that turn fewer than beta_slow times over the original
+    context are interpolated (divided by the factor), those turning more than beta_fast times kept, a linear ramp
+    over the dims between; the dims' bounds rounded outwards unless `truncate` is false, as transformers does."""
+    original = scaling["original_max_position_embeddings"]
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def dim_of(rotations: float) -> float:  # the dim whose frequency turns `rotations` times over `original`
+        return dims * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(beta_fast), dim_of(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dims - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dims // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: the frequency as it was (extrapolated), 0: interpolated
+    return (inv_freq / factor) * (1 - keep) + inv_freq * keep
+
+
 def rope_attention_scaling(scaling: dict | None, max_position_embeddings: int) -> float:
-    """The factor LongRoPE multiplies cos and sin by (1.0 for every other kind), as transformers derives it."""
+    """The factor LongRoPE and YaRN multiply cos and sin by (1.0 for every other kind), as transformers derives
+    it."""
+    if rope_kind(scaling) == "yarn":
+        assert scaling is not None
+        if scaling.get("attention_factor") is not None:
+            return float(scaling["attention_factor"])
+        factor = yarn_factor(scaling, max_position_embeddings)
+
+        def mscale(scale: float, m: float = 1.0) -> float:
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+        if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+            return mscale(factor, scaling["mscale"]) / mscale(factor, scaling["mscale_all_dim"])
+        return mscale(factor)
     if rope_kind(scaling) != "longrope":
         return 1.0
     assert scaling is not None
@@ -64,9 +112,10 @@ class RotaryEmbedding(nn.Module):
         theta: float,
         scaling: dict | None,
         attention_scaling: float = 1.0,
+        max_position_embeddings: int | None = None,
     ) -> None:
         super().__init__()
-        inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        inv_freq = rope_inv_freq(head_dim, theta, scaling, max_position_embeddings)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
         cos, sin = emb.cos(), emb.sin()

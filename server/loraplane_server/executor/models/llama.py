@@ -209,7 +209,9 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(self.layer_class(args, i) for i in range(args.num_layers))
         self.norm = self.layer_class.norm_class(args.hidden_size, args.rms_norm_eps)
         scaling = rope_attention_scaling(args.rope_scaling, args.max_position_embeddings)
-        self.rotary = RotaryEmbedding(args.rotated_dims, max_positions, args.rope_theta, args.rope_scaling, scaling)
+        self.rotary = RotaryEmbedding(
+            args.rotated_dims, max_positions, args.rope_theta, args.rope_scaling, scaling, args.max_position_embeddings
+        )
         self.lm_head = None if args.tie_word_embeddings else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         for p in self.parameters():
             p.requires_grad_(False)
