@@ -40,7 +40,7 @@ lint: setup
 # (test-avx2), so a change made on such a machine cannot break the AVX2 ones unseen.
 test: model lint
 	e2e/build_minio.sh
-	LORAPLANE_E2E_BUILD=1 $(BIN)/pytest -q tests e2e $(PYTEST_ARGS)
+	LORAPLANE_E2E_BUILD=1 $(BIN)/pytest -q --durations=30 tests e2e $(PYTEST_ARGS)
 	@if grep -qw avx512_bf16 /proc/cpuinfo; then $(MAKE) --no-print-directory test-avx2; fi
 
 # What an AVX2-only CPU runs, on any x86 machine (server/loraplane_server/platforms/cpu_features.py): the
