@@ -784,12 +784,7 @@ def profile_shape(run: Run, name: str) -> dict:
     rid = engine.add_request(prompts(run.pool, 1, run.sizes.decode_prompt, "prof")[0], greedy(400))
     step_until(engine, [rid], 4, 120)
     steps = 20
-    sync(run.device)
-    start = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    sync(run.device)
-    out: dict = {"step_ms": round(1000 * (time.perf_counter() - start) / steps, 3)}
+    out: dict = {"step_ms": step_ms(run, engine, steps)}
     graphs = getattr(engine.runner, "graphs", None)
     graph = getattr(graphs, "graphs", {}).get((1, False)) if graphs is not None else None
     if graph is not None and run.device.type == "cuda":
@@ -829,13 +824,7 @@ def profile_batch(run: Run, engine: LLMEngine, names: list[str]) -> dict:
         batch = prompts(run.pool, len(which), s.decode_prompt, f"pb-{kind}")
         ids = [engine.add_request(p, greedy(200), adapter_id=a) for p, a in zip(batch, which, strict=True)]
         step_until(engine, ids, 3, 120)
-        steps = 10
-        sync(run.device)
-        start = time.perf_counter()
-        for _ in range(steps):
-            engine.step()
-        sync(run.device)
-        record: dict = {"step_ms": round(1000 * (time.perf_counter() - start) / steps, 3)}
+        record: dict = {"step_ms": step_ms(run, engine, 10)}
         record["pure_decode"] = engine.last_step_tokens == len(which)
         if run.device.type == "cuda":
             record["kernels_us_per_step"] = kernel_table(engine, 3)
@@ -844,6 +833,16 @@ def profile_batch(run: Run, engine: LLMEngine, names: list[str]) -> dict:
         run_to_end(engine, 60)
         out[kind] = record
     return out
+
+
+def step_ms(run: Run, engine: LLMEngine, steps: int) -> float:
+    """Milliseconds per engine step over `steps` steps, the device synchronized before and after."""
+    sync(run.device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    sync(run.device)
+    return round(1000 * (time.perf_counter() - start) / steps, 3)
 
 
 def kernel_table(engine: LLMEngine, steps: int) -> list[str]:
