@@ -1,4 +1,4 @@
-"""A soak through real HTTP on the built-in model: 10,000 requests over 20 adapters, two of them hostile
+"""A soak through real HTTP on the built-in model: 4,000 requests over 20 adapters, two of them hostile
 (a non-finite scale, a pathological alpha_pattern), a quarter of them streams that hang up mid-stream,
 spread over the LoRAX and OpenAI routes. It must end with no 5xx, every well-behaved request's greedy
 text equal to the same request's on the idle server, and the KV blocks, adapter slots and queues back
@@ -22,7 +22,8 @@ pytestmark = pytest.mark.slow
 GOOD = [f"s{i:02d}" for i in range(18)]
 NONFINITE, PATTERN = "hostile-nan", "hostile-pattern"
 PROMPTS = ["Tell me a joke.", "The weather today is", "Once upon a time", "My favourite food is"]
-NUM_REQUESTS = 10_000
+# 10,000 took 729 s of CI's 90 minutes on a Zen 3 (308 s when written); each request's checks hold at 4,000
+NUM_REQUESTS = 4_000
 CONCURRENCY = 48
 MAX_NEW = 3
 SOAK_LIMIT_S = 1500.0  # the whole soak, hang-ups and references included; ~4-6 min on 2 quiet cores
@@ -126,7 +127,7 @@ async def references(url: str, combos: list[tuple[str, str]]) -> dict[tuple[str,
     return dict(zip(combos, found, strict=True))
 
 
-def test_ten_thousand_requests_with_hostile_adapters_and_hang_ups(server: ServerProcess) -> None:
+def test_thousands_of_requests_with_hostile_adapters_and_hang_ups(server: ServerProcess) -> None:
     idle = engine_state(server.url)
     assert idle["num_free_blocks"] == idle["num_blocks"] and idle["num_busy_slots"] == 0
     adapters = [*GOOD, NONFINITE, PATTERN]
