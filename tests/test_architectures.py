@@ -456,9 +456,26 @@ def test_a_sliding_window_caps_the_context_where_the_engine_is_exact(
         ("qwen3", dict(use_sliding_window=False, sliding_window=48), 1024),
         ("gemma3", {}, 96),
         ("phi3", dict(sliding_window=200), 200),
+        # YaRN past max_position_embeddings, as Qwen2.5 configs state it (32,768 x 4); without a factor, the config's
+        (
+            "qwen3",
+            dict(
+                rope_parameters=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=512, rope_theta=1e4)
+            ),
+            2048,
+        ),
+        (
+            "qwen3",
+            dict(
+                rope_parameters=dict(
+                    rope_type="yarn", factor=None, original_max_position_embeddings=256, rope_theta=1e4
+                )
+            ),
+            1024,
+        ),
         (
             "phi3",
-            dict(original_max_position_embeddings=128, rope_scaling=VARIANTS["phi3-longrope"][1]["rope_scaling"]),
+            dict(VARIANTS["phi3-longrope"][1], rope_scaling=dict(VARIANTS["phi3-longrope"][1]["rope_scaling"])),
             128,
         ),
     ],

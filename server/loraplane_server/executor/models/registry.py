@@ -103,11 +103,14 @@ def max_context(cfg: dict) -> int:
     """The longest sequence this engine serves the model at exactly, logged where it is shorter than the
     model's own context. The paged attention has no window, so a sliding-window model runs up to its window
     (where full attention is the same computation); LongRoPE up to original_max_position_embeddings (where
-    transformers, too, uses the short factors)."""
+    transformers, too, uses the short factors). YaRN's context is its factor times the original length where
+    that is longer than max_position_embeddings (Qwen2.5's configs keep 32,768 there and extend it 4x)."""
     norm = normalized(cfg)
     limit = int(norm.get("max_position_embeddings") or 4096)
     caps = {"the sliding attention window": sliding_window(norm)}
     rope = norm.get("rope_parameters") or {}
+    if rope_kind(rope) == "yarn" and rope.get("factor") and rope.get("original_max_position_embeddings"):
+        limit = max(limit, int(rope["factor"] * rope["original_max_position_embeddings"]))
     if rope_kind(rope) == "longrope":
         caps["LongRoPE's original_max_position_embeddings"] = rope.get("original_max_position_embeddings")
     for why, cap in caps.items():
