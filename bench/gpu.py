@@ -1024,6 +1024,11 @@ def target(value: float | None, bound: float, note: str = "") -> dict:
     return {"value": value, "at_least": bound, "met": met, **({"note": note} if note else {})}
 
 
+def measured_shape(sections: dict, key: str) -> str:
+    """The multi_lora shape whose record holds `key`: the 8B (the targets' shape) where it ran, else the 1B."""
+    return next((n for n in (EIGHT_B, ONE_B) if dig(sections, "multi_lora", n, key)), ONE_B)
+
+
 def summary(sections: dict) -> dict:
     decode = dig(sections, "decode", "shapes") or {}
     rates = {
@@ -1032,10 +1037,8 @@ def summary(sections: dict) -> dict:
         for mode in ("eager", "graphs")
         if isinstance(dig(record, mode), dict)
     }
-    multi_shape = next((n for n in (EIGHT_B, ONE_B) if dig(sections, "multi_lora", n, "lora_over_base")), ONE_B)
-    multi = dig(sections, "multi_lora", multi_shape) or {}
-    peft_shape = next((n for n in (EIGHT_B, ONE_B) if dig(sections, "multi_lora", n, "ours_over_peft_subset")), ONE_B)
-    peft = dig(sections, "multi_lora", peft_shape) or {}
+    multi_shape, peft_shape = (measured_shape(sections, key) for key in ("lora_over_base", "ours_over_peft_subset"))
+    multi, peft = (dig(sections, "multi_lora", shape) or {} for shape in (multi_shape, peft_shape))
     smol = [dig(decode, SMOL, mode, "batches", "1", "tokens_per_s") for mode in ("graphs", "eager")]
     eager_8b = dig(decode, EIGHT_B, "eager", "batches", "1", "roofline_fraction")
     return {

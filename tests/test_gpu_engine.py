@@ -56,13 +56,18 @@ def _greedy(engine: LLMEngine, adapters: dict[str, Path], work: list[tuple[str |
     return [done[i].token_ids for i in ids]
 
 
+def _mixed_work(adapters: dict[str, Path]) -> list[tuple[str | None, list[int], int]]:
+    """Each adapter and the base model twice, prompts of 2-6 tokens, 4 new tokens each."""
+    return [(name, [3 + i, 9, 27, 40 + i, 5, 11][: 2 + i % 5], 4) for i, name in enumerate([*adapters, None] * 2)]
+
+
 @pytest.mark.parametrize("where", DEVICES)
 def test_mixed_adapters_and_base_equal_peft(
     where: dict[str, str], tiny_llama_dir: Path, adapters: dict[str, Path], tmp_path: Path
 ) -> None:
     """fp32, greedy: four adapters of ranks 2-16 on different targets and base requests in one batch, token for
     token the CPU engine's and PEFT's."""
-    work = [(name, [3 + i, 9, 27, 40 + i, 5, 11][: 2 + i % 5], 4) for i, name in enumerate([*adapters, None] * 2)]
+    work = _mixed_work(adapters)
     engine = _engine(tiny_llama_dir, tmp_path, where)
     if where is ON_CUDA:
         assert engine.device.type == "cuda" and engine.runner.kv_caches.is_cuda
@@ -88,7 +93,7 @@ def test_split_shrinks_equal_the_torch_path(
     monkeypatch.setattr(triton_lora, "_BLOCK_IN", 16)
     monkeypatch.setattr(triton_lora, "multiprocessors", lambda device: 132)
     monkeypatch.setattr(triton_lora, "shrink_split", lambda *a: calls.append(split(*a)) or calls[-1])
-    work = [(name, [3 + i, 9, 27, 40 + i, 5, 11][: 2 + i % 5], 4) for i, name in enumerate([*adapters, None] * 2)]
+    work = _mixed_work(adapters)
     got = _greedy(_engine(tiny_llama_dir, tmp_path, TRITON_ON_CPU), adapters, work)
     assert calls and min(calls) > 1  # every shrink split
     assert got == _greedy(_engine(tiny_llama_dir, tmp_path, CPU_TORCH), adapters, work)

@@ -26,12 +26,16 @@ class RMSNorm(nn.Module):
         bf16 on the CPU, one fused pass (csrc/layer_ops_cpu.cpp)."""
         if kernels and residual.dtype == torch.bfloat16 and self.weight.dtype == torch.bfloat16:
             return cpu_kernels.add_rms_norm(residual, delta, self.weight, self.eps)
-        unit = residual.dim() == 2 and residual.stride(1) == 1 and (delta is None or delta.stride(-1) == 1)
-        if self.triton and unit and residual.dtype == self.weight.dtype:
+        if self.triton and residual.dtype == self.weight.dtype and _unit_rows(residual, delta):
             return triton_layer_ops.add_rms_norm(residual, delta, self.weight, self.eps)
         if delta is not None:
             residual.add_(delta)  # the same rounding as `residual + delta`
         return self(residual)
+
+
+def _unit_rows(residual: torch.Tensor, delta: torch.Tensor | None) -> bool:
+    """Rows of unit column stride, as the Triton norm reads them."""
+    return residual.dim() == 2 and residual.stride(1) == 1 and (delta is None or delta.stride(-1) == 1)
 
 
 class OffsetRMSNorm(RMSNorm):
