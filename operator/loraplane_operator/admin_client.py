@@ -15,6 +15,7 @@ from urllib.parse import quote
 import httpx
 
 from loraplane_operator import constants as c
+from loraplane_operator.metrics import CountingTransport
 
 RETRYABLE_STATUSES = frozenset({404, 408, 409, 425, 429})  # 4xx that may pass: unknown yet, busy, overloaded
 
@@ -43,9 +44,11 @@ class PermanentAdminError(AdminError):
 
 
 def make_http_client(timeout_s: float = c.ADMIN_TIMEOUT_S) -> httpx.AsyncClient:
-    """One pooled client for all pods; proxies from the environment are ignored (pod IPs are in-cluster)."""
+    """One pooled client for all pods, counting its calls (metrics.ADMIN_CALLS); proxies from the environment are
+    ignored (pod IPs are in-cluster)."""
     timeout = httpx.Timeout(timeout_s, pool=120.0)  # many adapters may queue for one pod's connections
-    return httpx.AsyncClient(timeout=timeout, trust_env=False, limits=httpx.Limits(max_connections=64))
+    transport = CountingTransport(httpx.AsyncHTTPTransport(limits=httpx.Limits(max_connections=64)))
+    return httpx.AsyncClient(timeout=timeout, trust_env=False, transport=transport)
 
 
 def error_message(response: httpx.Response) -> str:
