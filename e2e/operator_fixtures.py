@@ -4,6 +4,7 @@ small BaseModelServer on the process kubelet, and calls to the server pods' HTTP
 from __future__ import annotations
 
 import copy
+import json
 import os
 import shutil
 import signal
@@ -17,7 +18,7 @@ import requests
 import yaml
 
 from e2e.cluster import REPO_ROOT, LocalCluster
-from e2e.kubectl import Kubectl
+from e2e.kubectl import Kubectl, KubectlError
 from e2e.process import spawn, stop
 
 CRD_DIR = REPO_ROOT / "crds"
@@ -29,6 +30,7 @@ OPERATOR_ACCOUNT = "loraplane-operator"
 SERVER_LABEL = "loraplane.dev/server"
 FINALIZER = "loraplane.dev/finalizer"
 GROUP = "loraplane.dev"
+ADMIN_TOKEN_ENV = "LORAPLANE_ADMIN_TOKEN"  # loraplane_operator.constants.ADMIN_TOKEN_ENV
 
 
 # the operator
@@ -168,7 +170,29 @@ def local_server_sample(adapters_dir: Path, replicas: int = 2) -> dict[str, Any]
     }
     spec["adapterSourceAllow"] = [str(adapters_dir)]
     spec["args"] = ["--disk-cache-dir", "adapter-disk-cache"]  # relative: the pod's own directory
+    # the process kubelet shares one file system and would re-point every /tmp path of the test (the adapters'
+    # snapshot) at the pod's /tmp volume; the read-only default's admission is checked in test_operator (b)
+    spec["pod"] = {"readOnlyRootFilesystem": False}
     return bms
+
+
+RESTRICTED_NAMESPACE = "e2e-pod-security-restricted"
+
+
+def pod_security_verdict(kubectl: Kubectl, pod_spec: dict[str, Any], name: str) -> str:
+    """Ask the API server's own PodSecurity admission whether a namespace enforcing `restricted` admits a pod with
+    this spec (a server-side dry run: nothing is created). '' if admitted, else the refusal."""
+    try:
+        kubectl("get", "namespace", RESTRICTED_NAMESPACE)
+    except KubectlError:
+        kubectl("create", "namespace", RESTRICTED_NAMESPACE)
+        kubectl("label", "namespace", RESTRICTED_NAMESPACE, "pod-security.kubernetes.io/enforce=restricted")
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name}, "spec": pod_spec}
+    try:
+        kubectl("create", "--dry-run=server", "-n", RESTRICTED_NAMESPACE, "-f", "-", input=json.dumps(pod))
+    except KubectlError as exc:
+        return str(exc)
+    return ""
 
 
 def local_adapter_sample(name: str, adapters_dir: Path) -> dict[str, Any]:
@@ -231,9 +255,18 @@ def pod_url(pod: dict[str, Any], port: int = 8080) -> str:
     return f"http://{pod['status']['podIP']}:{port}"
 
 
+def admin_headers(pod: dict[str, Any]) -> dict[str, str]:
+    """The pod's admin token as a bearer header, read from its process's environment (what `kubectl exec -- env`
+    shows): the operator generates one for every server without adminTokenSecretRef, so no admin call is open."""
+    environ = Path(f"/proc/{pid_of(pod)}/environ").read_bytes().split(b"\0")
+    values = dict(item.decode(errors="replace").partition("=")[::2] for item in environ if b"=" in item)
+    token = values.get(ADMIN_TOKEN_ENV)
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
 def list_adapters(pod: dict[str, Any]) -> list[dict[str, Any]]:
     with _session() as session:
-        response = session.get(f"{pod_url(pod)}/v1/adapters", timeout=10)
+        response = session.get(f"{pod_url(pod)}/v1/adapters", headers=admin_headers(pod), timeout=10)
     response.raise_for_status()
     return list(response.json()["data"])
 

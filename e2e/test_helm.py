@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import signal
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,12 +25,16 @@ from e2e.helm import CHART, Helm, HelmError
 from e2e.kubectl import Kubectl, KubectlError, wait_until
 from e2e.operator_fixtures import (
     FINALIZER,
+    adapter_manifest,
     adapter_rows,
     complete,
     diagnostics,
     is_ready,
+    list_adapters,
     local_server_sample,
+    pid_of,
     ready_server_pods,
+    restart_count,
     snapshot_adapters,
 )
 
@@ -43,6 +50,8 @@ ADAPTERS = {"french": "device", "json": "host"}  # name -> prewarm tier
 POD_START_S = 240.0
 CRDS = ("basemodelservers.loraplane.dev", "loraadapters.loraplane.dev")
 CONFIG_HASH = "loraplane.dev/config-hash"
+OPERATOR_REPLICAS = 2  # the chart's default: leader election over a Lease named like the Deployment
+FAILOVER_S = 30.0  # issue 39: a killed leader's work resumes in the other replica within 30 s
 RELEASE_LABEL = f"app.kubernetes.io/instance={RELEASE}"
 
 
@@ -60,6 +69,7 @@ def chart_values(adapters_dir: Path) -> dict[str, Any]:
             "engine": engine,
             "adapterSourceAllow": [str(adapters_dir)],
             "args": ["--disk-cache-dir", "adapter-disk-cache", "--torch-threads", "1"],
+            "pod": {"readOnlyRootFilesystem": False},  # one shared file system: see local_server_sample
         },
         "adapters": [
             {"name": name, "source": str(adapters_dir / name), "prewarm": {"tier": tier}, "pinned": name == "french"}
@@ -137,10 +147,27 @@ def dump_on_failure(request: pytest.FixtureRequest, env: Env) -> Iterator[None]:
 # helpers
 
 
-def operator_pod(env: Env) -> dict[str, Any] | None:
+def operator_pods(env: Env) -> list[dict[str, Any]]:
     pods = env.get("pods", "-l", f"{RELEASE_LABEL},app.kubernetes.io/component=operator")["items"]
-    live = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
-    return live[0] if len(live) == 1 and is_ready(live[0]) else None
+    return [p for p in pods if not p["metadata"].get("deletionTimestamp")]
+
+
+def lease_holder(env: Env) -> str | None:
+    """The pod holding the operator's Lease (its identity is `<pod>_<random>`: one per process)."""
+    try:
+        holder = str(env.get("lease", OPERATOR)["spec"].get("holderIdentity") or "")
+    except KubectlError:
+        return None
+    return holder.rpartition("_")[0] or None
+
+
+def operator_pod(env: Env) -> dict[str, Any] | None:
+    """The leader, once both operator replicas are Ready: the pod named by the Lease's holder."""
+    live = operator_pods(env)
+    if len(live) != OPERATOR_REPLICAS or not all(is_ready(p) for p in live):
+        return None
+    holder = lease_holder(env)
+    return next((p for p in live if p["metadata"]["name"] == holder), None)
 
 
 def server_ready(env: Env, replicas: int, template_hash: str | None = None) -> list[dict[str, Any]] | None:
@@ -203,7 +230,9 @@ def test_a_install_operator_pod_server_and_adapters_ready(env: Env) -> None:
     assert pod["spec"]["serviceAccountName"] == FULLNAME
     assert pod["status"]["containerStatuses"][0]["containerID"].startswith("process://")
     deployment = env.get("deployment", OPERATOR)
-    assert deployment["spec"]["strategy"]["type"] == "Recreate" and deployment["spec"]["replicas"] == 1
+    assert deployment["spec"]["strategy"]["type"] == "RollingUpdate" and deployment["spec"]["replicas"] == 2
+    standby = next(p for p in operator_pods(env) if p["metadata"]["name"] != pod["metadata"]["name"])
+    assert "holds the Lease" not in env.cluster.pod_log(NAMESPACE, standby["metadata"]["name"], "operator")
 
     # the BaseModelServer and adapters from values: the server pod Ready, the adapters resident on it
     pods = wait_until(lambda: server_ready(env, 1), timeout=POD_START_S, what=f"{SERVER} 1/1 Ready")
@@ -222,6 +251,47 @@ def test_a_install_operator_pod_server_and_adapters_ready(env: Env) -> None:
     # the operator's liveness endpoint answers on its pod address, and the kubelet's probe has not restarted it
     running = operator_pod(env)
     assert running is not None and running["status"]["containerStatuses"][0]["restartCount"] == 0
+
+
+# a2. the leader killed under activity
+
+
+def test_a2_the_leader_killed_under_activity_fails_over(env: Env) -> None:
+    """SIGKILL the Lease holder right after a new LoRAAdapter is created: the standby holds the Lease within
+    30 s and finishes the work (the adapter Ready on the server pod, once), the chart's adapters stay Ready, and
+    the killed replica comes back as a follower."""
+    leader = wait_until(lambda: operator_pod(env), timeout=60, what="a leader among the operator replicas")
+    killed = leader["metadata"]["name"]
+    standby = next(p["metadata"]["name"] for p in operator_pods(env) if p["metadata"]["name"] != killed)
+    pods = ready_server_pods(env.kubectl, NAMESPACE, SERVER)
+    source = str(Path(env.values["adapters"][0]["source"]).parent / "pirate")
+    env.kubectl.apply(adapter_manifest("pirate", SERVER, source, tier="host"), NAMESPACE)
+    os.kill(pid_of(leader), signal.SIGKILL)
+    start = time.monotonic()
+    wait_until(lambda: lease_holder(env) == standby, timeout=FAILOVER_S, what=f"{standby} holding the Lease")
+    took = time.monotonic() - start
+    print(f"failover: {standby} took the Lease {took:.1f} s after {killed} was killed")
+
+    def pirate_ready() -> dict[str, Any] | None:
+        status = env.get("lora", "pirate").get("status") or {}
+        residency = status.get("residency") or []
+        return status if status.get("phase") == "Ready" and [e["pod"] for e in residency] == names(pods) else None
+
+    wait_until(pirate_ready, timeout=180, what="pirate Ready, reconciled by the new leader")
+    ids = [row["id"] for row in list_adapters(pods[0])]
+    assert ids.count("pirate") == 1, ids
+    assert adapters_ready_on(env, names(pods)) is not None
+    assert "holds the Lease" in env.cluster.pod_log(NAMESPACE, standby, "operator")
+
+    def back_as_follower() -> bool:
+        pod = next((p for p in operator_pods(env) if p["metadata"]["name"] == killed), None)
+        return pod is not None and is_ready(pod) and restart_count(pod) >= 1
+
+    wait_until(back_as_follower, timeout=120, what=f"{killed} restarted and Ready again")
+    assert lease_holder(env) == standby  # the restarted replica waits: no flapping
+    env.kubectl("delete", "lora", "pirate", "-n", NAMESPACE, "--wait=false")
+    wait_until(lambda: not [i for i in env.get("lora")["items"] if i["metadata"]["name"] == "pirate"], timeout=60,
+               what="pirate unloaded and gone")  # fmt: skip
 
 
 # b. the rendered chart against the API server's schemas

@@ -5,6 +5,8 @@ run in order and build on each other (a: CRDs ... h: scale)."""
 
 from __future__ import annotations
 
+import base64
+import copy
 import json
 import os
 import signal
@@ -15,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import requests
 
 from e2e.cluster import LocalCluster
 from e2e.kubectl import Kubectl, KubectlError, wait_until
@@ -25,6 +28,7 @@ from e2e.operator_fixtures import (
     OperatorProcess,
     adapter_manifest,
     adapter_rows,
+    admin_headers,
     complete_ids,
     diagnostics,
     http_status,
@@ -35,6 +39,7 @@ from e2e.operator_fixtures import (
     local_adapter_sample,
     local_server_sample,
     pid_of,
+    pod_security_verdict,
     rbac_rules_from_yaml,
     ready_server_pods,
     reference_greedy,
@@ -42,6 +47,7 @@ from e2e.operator_fixtures import (
     server_pods,
     snapshot_adapters,
 )
+from loraplane_operator import builders
 
 pytestmark = pytest.mark.e2e
 
@@ -300,6 +306,54 @@ def test_b_server_deployment_service_and_ready_pods(env: Env) -> None:
     assert sorted(status.get("endpoints", {})) == names(pods)
     printed = env.kubectl("get", "bms", SERVER, "-n", env.namespace)
     assert "Ready" in printed and "smollm2-135m" in printed
+    pdb = env.get("poddisruptionbudget", SERVER)
+    assert pdb["spec"]["maxUnavailable"] == 1 and pdb["spec"]["selector"]["matchLabels"][SERVER_LABEL] == SERVER
+    assert pdb["status"].get("expectedPods") in (None, 2)  # the disruption controller may not have counted yet
+
+
+def test_b2_admin_api_is_closed_without_a_token_ref(env: Env) -> None:
+    """The sample names no adminTokenSecretRef: the operator made a Secret with a random token, owned by the
+    server, and the pods hold it. Anonymous registration is refused on the admin route and through a generation
+    request; the token from the Secret is accepted."""
+    secret = env.get("secret", f"{SERVER}-admin-token")
+    owners = secret["metadata"].get("ownerReferences") or []
+    assert [(o["kind"], o["name"]) for o in owners] == [("BaseModelServer", SERVER)]
+    token = base64.b64decode(secret["data"]["token"]).decode()
+    assert len(token) >= 40
+    pod = ready_server_pods(env.kubectl, env.namespace, SERVER)[0]
+    assert admin_headers(pod) == {"Authorization": f"Bearer {token}"}  # the pod's own environment
+    body = {"id": "anonymous", "source": str(env.adapters_dir / "french")}
+    with requests.Session() as session:
+        session.trust_env = False
+        url = f"http://{pod['status']['podIP']}:8080"
+        assert session.post(f"{url}/v1/adapters", json=body, timeout=10).status_code == 401
+        assert session.get(f"{url}/v1/adapters", timeout=10).status_code == 401
+        french = str(env.adapters_dir / "french")  # an allowed source: only the missing token refuses it
+        lorax = {"inputs": "Hi", "parameters": {"adapter_id": french, "adapter_source": "local", "max_new_tokens": 1}}
+        assert session.post(f"{url}/generate", json=lorax, timeout=30).status_code in (401, 403)
+        listed = session.get(f"{url}/v1/adapters", headers={"Authorization": f"Bearer {token}"}, timeout=10)
+    assert listed.status_code == 200 and "anonymous" not in {row["id"] for row in listed.json()["data"]}
+    applied = env.bms()
+    assert env.get("secret", f"{SERVER}-admin-token")["data"] == secret["data"]  # reconciles keep the token
+    assert applied["status"].get("observedGeneration") == applied["metadata"]["generation"]
+
+
+def test_b3_server_pods_pass_pod_security_restricted(env: Env) -> None:
+    """The real PodSecurity admission plugin, enforcing `restricted` on a namespace, admits the pod the operator
+    made and the default pod (read-only root, its /tmp and /cache volumes, a claim-backed model cache); it
+    refuses the same pod without the securityContext, so the check can fail."""
+    deployed = env.get("deployment", SERVER)["spec"]["template"]["spec"]
+    assert pod_security_verdict(env.kubectl, deployed, "as-deployed") == ""
+    default = builders.get_deployment(
+        {"metadata": {"name": SERVER}, "spec": {"modelCache": {"volume": "PersistentVolumeClaim"}}}
+    )["spec"]["template"]["spec"]
+    assert pod_security_verdict(env.kubectl, default, "default") == ""
+    bare = copy.deepcopy(deployed)
+    bare.pop("securityContext")
+    for container in bare["containers"]:
+        container.pop("securityContext")
+    refusal = pod_security_verdict(env.kubectl, bare, "bare")
+    assert "violates PodSecurity" in refusal and "restricted" in refusal, refusal
 
 
 # c. adapters prewarmed on every pod, and serving

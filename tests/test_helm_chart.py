@@ -107,8 +107,8 @@ def test_render_defaults(helm):
 def test_operator_deployment(helm):
     dep = _one(_render(helm), "Deployment", "-operator")
     spec = dep["spec"]
-    assert spec["replicas"] == 1
-    assert spec["strategy"]["type"] == "Recreate"
+    assert spec["replicas"] == 2  # two candidates for the Lease: one reconciles, one takes over
+    assert spec["strategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
     pod = spec["template"]["spec"]
     assert pod["securityContext"]["runAsNonRoot"] is True
     (ctr,) = pod["containers"]
@@ -123,6 +123,47 @@ def test_operator_deployment(helm):
     assert pod["serviceAccountName"] == sa["metadata"]["name"]
 
 
+def test_leader_election_lease_and_its_rights(helm, tmp_path):
+    docs = _render(helm)
+    (ctr,) = _one(docs, "Deployment", "-operator")["spec"]["template"]["spec"]["containers"]
+    lease = ctr["args"][ctr["args"].index("--leader-elect") + 1]
+    assert lease == "loraplane-system/lp-loraplane-operator"
+    assert {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}} in ctr["env"]
+    role = _one(docs, "Role", "-operator-leader")
+    assert role["metadata"]["namespace"] == "loraplane-system"  # the Lease's namespace, nowhere else
+    assert role["rules"] == [{"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
+                              "verbs": ["get", "create", "update"]}]  # fmt: skip
+    binding = _one(docs, "RoleBinding", "-operator-leader")
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    # off: one replica, Recreate, no lease; two replicas without it are refused
+    off = _render(
+        helm, "-f", _values_file(tmp_path, {"operator": {"leaderElection": {"enabled": False}, "replicas": 1}})
+    )
+    dep = _one(off, "Deployment", "-operator")
+    assert dep["spec"]["replicas"] == 1 and dep["spec"]["strategy"]["type"] == "Recreate"
+    assert "--leader-elect" not in dep["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert not [d for d in off if d["kind"] == "Role"]
+    bad = _values_file(tmp_path, {"operator": {"leaderElection": {"enabled": False}}})
+    p = _run(helm, "template", "lp", str(CHART), "-f", bad)
+    assert p.returncode != 0 and "needs operator.leaderElection.enabled" in p.stderr
+
+
+def test_watching_one_namespace_grants_secrets_there_only(helm, tmp_path):
+    """watchNamespace: the namespaced rules (secrets, workloads) in a Role in that namespace; the ClusterRole
+    keeps only the cluster-scoped reads, so nothing cluster-wide can read a Secret."""
+    docs = _render(helm, "-f", _values_file(tmp_path, {"operator": {"watchNamespace": "team-a"}}))
+    rules = yaml.safe_load(RBAC_RULES.read_text())
+    cluster_scoped = [r for r in rules if {"customresourcedefinitions", "namespaces"} & set(r["resources"])]
+    role = _one(docs, "Role", "-operator")
+    assert role["metadata"]["namespace"] == "team-a"
+    assert role["rules"] == [r for r in rules if r not in cluster_scoped]
+    assert _one(docs, "RoleBinding", "-operator")["metadata"]["namespace"] == "team-a"
+    for cluster_role in (d for d in docs if d["kind"] == "ClusterRole"):
+        for rule in cluster_role["rules"]:
+            assert "secrets" not in rule["resources"] and "*" not in rule["resources"], (cluster_role, rule)
+    assert _one(docs, "ClusterRole", "-operator")["rules"] == cluster_scoped
+
+
 def test_render_everything_enabled(helm, tmp_path):
     docs = _render(helm, "-f", _values_file(tmp_path, ALL_ON))
     bms = _one(docs, "BaseModelServer")
@@ -135,7 +176,7 @@ def test_render_everything_enabled(helm, tmp_path):
     assert adapters["json"]["spec"]["adapterId"] == "json-v1"
     sm = _one(docs, "ServiceMonitor")
     assert sm["apiVersion"] == "monitoring.coreos.com/v1" and sm["metadata"]["labels"]["release"] == "prom"
-    assert _one(docs, "PodMonitor")["apiVersion"] == "monitoring.coreos.com/v1"
+    assert _one(docs, "PodMonitor", "-servers")["apiVersion"] == "monitoring.coreos.com/v1"
     cm = _one(docs, "ConfigMap")
     rules = yaml.safe_load(cm["data"]["config.yaml"])["rules"]
     assert "loraplane_queue_depth" in rules[0]["seriesQuery"]
@@ -293,8 +334,15 @@ def test_monitors_select_the_operators_server_labels(helm: str, tmp_path: Path) 
     docs = _render(helm, "-f", _values_file(tmp_path, ALL_ON))
     labels = builders.server_labels("any-server")
     for kind in ("ServiceMonitor", "PodMonitor"):
-        selector = _one(docs, kind)["spec"]["selector"]["matchLabels"]
+        selector = _one(docs, kind, "-servers")["spec"]["selector"]["matchLabels"]
         assert selector and selector.items() <= labels.items(), (kind, selector, labels)
+    # the operator's own metrics: its pods (no Service), on the port its container names and its args serve
+    monitor = _one(docs, "PodMonitor", "-operator")
+    operator = _one(docs, "Deployment", "-operator")["spec"]["template"]
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= operator["metadata"]["labels"].items()
+    (ctr,) = operator["spec"]["containers"]
+    port = next(p for p in ctr["ports"] if p["name"] == monitor["spec"]["podMetricsEndpoints"][0]["port"])
+    assert ctr["args"][ctr["args"].index("--metrics-port") + 1] == str(port["containerPort"]) == "8081"
 
 
 def test_server_args_env_and_operator_liveness_address(helm: str, tmp_path: Path) -> None:
@@ -318,6 +366,7 @@ def test_server_args_env_and_operator_liveness_address(helm: str, tmp_path: Path
     assert pod_ip["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
     default = _one(_render(helm), "Deployment", "-operator")["spec"]["template"]["spec"]["containers"][0]["args"]
     assert default[default.index("--liveness") + 1] == "http://0.0.0.0:8080/healthz"
+    assert ctr["args"][ctr["args"].index("--metrics-address") + 1] == "$(POD_IP)"  # bound like the liveness
 
 
 EXAMPLES = sorted((CHART / "examples").glob("*.yaml"))

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from loraplane_operator import builders, rbac
+from loraplane_operator import builders, rbac, router_builders, vllm_builders
 from loraplane_operator import constants as c
+from loraplane_operator.server_status import server_ref
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -44,13 +45,21 @@ def test_deployment_defaults():
     ctr = container(dep)
     assert ctr["command"] == ["loraplane", "serve"]
     assert ctr["args"] == ["--model", "smollm2-135m", "--device", "cuda", "--host", "$(POD_IP)", "--port", "8080"]
-    assert ctr["env"] == [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
+    assert ctr["env"] == [
+        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        {
+            "name": "LORAPLANE_ADMIN_TOKEN",
+            "valueFrom": {"secretKeyRef": {"name": "smollm2-admin-token", "key": "token"}},
+        },
+    ]  # no adminTokenSecretRef: the operator's generated token, never an open admin API
     assert ctr["ports"] == [{"name": "http", "containerPort": 8080, "protocol": "TCP"}]
     assert ctr["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
     assert ctr["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
     assert ctr["resources"] == {"limits": {"nvidia.com/gpu": 1}}
     assert ctr["terminationMessagePolicy"] == "FallbackToLogsOnError"  # the failure line reaches the status
-    assert "volumeMounts" not in ctr and "volumes" not in dep["spec"]["template"]["spec"]  # no modelCache
+    # no modelCache: only the read-only root's two writable emptyDirs
+    assert ctr["volumeMounts"] == [{"name": "tmp", "mountPath": "/tmp"}, {"name": "cache", "mountPath": "/cache"}]
+    assert pod_spec(dep)["volumes"] == [{"name": "tmp", "emptyDir": {}}, {"name": "cache", "emptyDir": {}}]
 
 
 def test_deployment_from_the_sample():
@@ -284,7 +293,7 @@ def test_rbac_rules_yaml_matches_the_constant():
     ]:
         assert need in granted
     secrets = next(r for r in rbac.RULES if r["resources"] == ["secrets"])
-    assert secrets["verbs"] == ["get"]
+    assert secrets["verbs"] == ["get", "create"]  # never list, update or delete: a token made once, read by name
     claims = next(r for r in rbac.RULES if r["resources"] == ["persistentvolumeclaims"])
     assert claims["verbs"] == ["get", "create", "patch"]  # the model cache is never deleted by the operator
 
@@ -312,9 +321,9 @@ def pod_spec(dep: dict) -> dict:
 )
 def test_model_cache_volume_kinds(cache, volume):
     dep = builders.get_deployment(bms(model="s3://models/smollm2", modelCache=cache))
-    assert pod_spec(dep)["volumes"] == [{"name": "model-cache", **volume}]
+    assert pod_spec(dep)["volumes"][0] == {"name": "model-cache", **volume}
     ctr = container(dep)
-    assert ctr["volumeMounts"] == [{"name": "model-cache", "mountPath": "/var/cache/loraplane-models"}]
+    assert ctr["volumeMounts"][0] == {"name": "model-cache", "mountPath": "/var/cache/loraplane-models"}
     assert ctr["args"][:4] == ["--model", "s3://models/smollm2", "--model-cache", "/var/cache/loraplane-models"]
 
 
@@ -323,6 +332,131 @@ def test_model_cache_mount_path_is_the_server_flag():
     ctr = container(builders.get_deployment(bms(modelCache=cache)))
     assert ctr["volumeMounts"][0]["mountPath"] == "/models-cache"
     assert ctr["args"][ctr["args"].index("--model-cache") + 1] == "/models-cache"
+
+
+def restricted_violations(pod: dict) -> list[str]:
+    """What Pod Security's `restricted` level (v1.30) refuses in a pod spec, as far as these pods can go wrong;
+    the e2e asks the real admission plugin the same question."""
+    bad = []
+    sec = pod.get("securityContext") or {}
+    if (sec.get("seccompProfile") or {}).get("type") not in ("RuntimeDefault", "Localhost"):
+        bad.append("seccompProfile")
+    for ctr in pod["containers"] + pod.get("initContainers", []):
+        csec = ctr.get("securityContext") or {}
+        if csec.get("allowPrivilegeEscalation") is not False:
+            bad.append(f"{ctr['name']}: allowPrivilegeEscalation")
+        if (csec.get("capabilities") or {}).get("drop") != ["ALL"]:
+            bad.append(f"{ctr['name']}: capabilities")
+        if not (csec.get("runAsNonRoot") or sec.get("runAsNonRoot")):
+            bad.append(f"{ctr['name']}: runAsNonRoot")
+        if csec.get("privileged") or csec.get("runAsUser") == 0 or sec.get("runAsUser") == 0:
+            bad.append(f"{ctr['name']}: root")
+    allowed = {"name", "emptyDir", "persistentVolumeClaim", "configMap", "secret", "projected", "downwardAPI",
+               "csi", "ephemeral"}  # fmt: skip
+    bad += [f"volume {v['name']}" for v in pod.get("volumes", []) if set(v) - allowed]
+    return bad
+
+
+def test_server_and_router_pods_meet_pod_security_restricted():
+    body = bms(modelCache={"volume": "PersistentVolumeClaim"}, router={"enabled": True})
+    assert restricted_violations(pod_spec(builders.get_deployment(body))) == []
+    router = next(o for o in router_builders.get_router_objects(body) if o["kind"] == "Deployment")
+    assert restricted_violations(router["spec"]["template"]["spec"]) == []
+    assert router["spec"]["template"]["spec"]["containers"][0]["securityContext"]["readOnlyRootFilesystem"] is True
+    # the check itself refuses what restricted refuses: a hostPath cache, a root user
+    hostpath = pod_spec(builders.get_deployment(bms(modelCache={"volume": "HostPath", "hostPath": "/models"})))
+    assert restricted_violations(hostpath) == ["volume model-cache"]
+    root = pod_spec(builders.get_deployment(bms()))
+    root["securityContext"]["runAsUser"] = 0
+    assert restricted_violations(root) == ["server: root"]
+
+
+def test_read_only_root_writes_only_to_its_volumes():
+    ctr = container(builders.get_deployment(bms()))
+    assert ctr["securityContext"] == {
+        "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}, "readOnlyRootFilesystem": True,
+    }  # fmt: skip
+    assert {m["mountPath"] for m in ctr["volumeMounts"]} == {"/tmp", "/cache"}  # Dockerfile.server's writable dirs
+    # a model cache mounted on /cache itself replaces the emptyDir there
+    dep = builders.get_deployment(bms(modelCache={"volume": "EmptyDir", "mountPath": "/cache"}))
+    assert [m["mountPath"] for m in container(dep)["volumeMounts"]] == ["/cache", "/tmp"]
+    assert [v["name"] for v in pod_spec(dep)["volumes"]] == ["model-cache", "tmp"]
+    # turned off for an image that writes elsewhere: no extra volumes, still non-root
+    dep = builders.get_deployment(bms(pod={"readOnlyRootFilesystem": False}))
+    assert container(dep)["securityContext"]["readOnlyRootFilesystem"] is False
+    assert "volumes" not in pod_spec(dep) and "volumeMounts" not in container(dep)
+    assert pod_spec(dep)["securityContext"]["runAsNonRoot"] is True
+
+
+def test_spec_pod_scheduling_reaches_server_and_router_pods():
+    affinity = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+        {"matchExpressions": [{"key": "gpu", "operator": "In", "values": ["h100"]}]}]}}}  # fmt: skip
+    spread = [{"maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone", "whenUnsatisfiable": "ScheduleAnyway",
+               "labelSelector": {"matchLabels": {"app": "x"}}}]  # fmt: skip
+    pod = {
+        "affinity": affinity,
+        "topologySpreadConstraints": spread,
+        "priorityClassName": "inference",
+        "imagePullSecrets": [{"name": "registry"}],
+        "nodeSelector": {"pool": "gpu", "zone": "b"},
+        "tolerations": [{"key": "gpu", "operator": "Exists"}],
+    }
+    body = bms(pod=pod, nodeSelector={"zone": "a", "arch": "amd64"}, tolerations=[{"key": "old", "operator": "Exists"}],
+               serviceAccountName="reader", router={"enabled": True})  # fmt: skip
+    server = pod_spec(builders.get_deployment(body))
+    assert server["affinity"] == affinity and server["topologySpreadConstraints"] == spread
+    assert server["priorityClassName"] == "inference" and server["imagePullSecrets"] == [{"name": "registry"}]
+    assert server["nodeSelector"] == {"zone": "b", "arch": "amd64", "pool": "gpu"}  # spec.pod's wins
+    assert [t["key"] for t in server["tolerations"]] == ["old", "gpu"]
+    assert server["serviceAccountName"] == "reader"
+    server["affinity"]["nodeAffinity"] = None
+    assert pod["affinity"]["nodeAffinity"] is not None  # a copy: the body is never changed through the manifest
+    router = next(o for o in router_builders.get_router_objects(body) if o["kind"] == "Deployment")
+    rpod = router["spec"]["template"]["spec"]
+    assert rpod["priorityClassName"] == "inference" and rpod["imagePullSecrets"] == [{"name": "registry"}]
+    assert not {"affinity", "nodeSelector", "tolerations", "topologySpreadConstraints"} & set(rpod)  # off GPU nodes
+    assert rpod["serviceAccountName"] == "smollm2-router"  # its own account
+    vllm = pod_spec(vllm_builders.get_workload(bms(pod=pod, engine={"kind": "vllm"})))
+    assert vllm["priorityClassName"] == "inference"
+
+
+def test_admin_token_is_generated_unless_named():
+    first, second = builders.get_admin_token_secret(bms()), builders.get_admin_token_secret(bms())
+    assert first is not None and second is not None
+    assert first["metadata"]["name"] == "smollm2-admin-token" and first["type"] == "Opaque" and "spec" not in first
+    assert first["stringData"]["token"] != second["stringData"]["token"]  # random: never derived from the spec
+    assert builders.admin_token_ref("smollm2", {}) == ("smollm2-admin-token", "token")
+    named = {"adminTokenSecretRef": {"name": "mine", "key": "k"}}
+    assert builders.admin_token_ref("smollm2", named) == ("mine", "k")
+    assert builders.get_admin_token_secret(bms(**named)) is None
+    vllm = {"engine": {"kind": "vllm"}}  # vLLM's key guards inference too: the user's choice
+    assert builders.admin_token_ref("smollm2", vllm) is None and builders.get_admin_token_secret(bms(**vllm)) is None
+    # the servers, the router and the operator's own calls all use the same Secret
+    server_env = {e["name"]: e for e in container(builders.get_deployment(bms()))["env"]}
+    router = next(
+        o for o in router_builders.get_router_objects(bms(router={"enabled": True})) if o["kind"] == "Deployment"
+    )
+    router_env = {e["name"]: e for e in router["spec"]["template"]["spec"]["containers"][0]["env"]}
+    ref = {"name": "smollm2-admin-token", "key": "token"}
+    assert (
+        server_env[c.ADMIN_TOKEN_ENV]["valueFrom"]["secretKeyRef"]
+        == router_env[c.ADMIN_TOKEN_ENV]["valueFrom"]["secretKeyRef"]
+        == ref
+    )
+    status_ref = server_ref(bms())
+    assert (status_ref.token_secret, status_ref.token_key) == ("smollm2-admin-token", "token")
+
+
+def test_disruption_budget():
+    pdb = builders.get_disruption_budget(bms())
+    assert pdb is not None and (pdb["apiVersion"], pdb["kind"]) == ("policy/v1", "PodDisruptionBudget")
+    assert pdb["spec"] == {
+        "maxUnavailable": 1,
+        "selector": {"matchLabels": {c.NAME_LABEL: c.APP_NAME, c.SERVER_LABEL: "smollm2"}},
+    }
+    half = builders.get_disruption_budget(bms(disruptionBudget={"maxUnavailable": "50%"}))
+    assert half is not None and half["spec"]["maxUnavailable"] == "50%"
+    assert builders.get_disruption_budget(bms(disruptionBudget={"enabled": False})) is None
 
 
 def test_created_claim():
@@ -392,6 +526,7 @@ def test_credentials_default_keys_and_optional_parts():
     env = container(builders.get_deployment(bms(credentials=s3_only)))["env"]
     refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in env if "secretKeyRef" in e.get("valueFrom", {})}
     assert refs == {
+        c.ADMIN_TOKEN_ENV: {"name": "smollm2-admin-token", "key": "token"},
         "AWS_ACCESS_KEY_ID": {"name": "s3", "key": "AWS_ACCESS_KEY_ID"},
         "AWS_SECRET_ACCESS_KEY": {"name": "s3", "key": "AWS_SECRET_ACCESS_KEY"},
     }

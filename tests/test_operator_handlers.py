@@ -11,7 +11,7 @@ from test_operator_status import CRASHING, DOWNLOADING, NOPE, SPEC, FakePod, Fak
 
 from loraplane_operator import adapter_status as st
 from loraplane_operator import constants as c
-from loraplane_operator import handlers, kube
+from loraplane_operator import handlers, kube, metrics
 from loraplane_operator.admin_client import make_http_client
 from loraplane_operator.context import OperatorContext
 from loraplane_operator.server_status import PodInfo, ServerRef, pod_info
@@ -58,7 +58,7 @@ class Stopped:
 
 def test_indexes():
     body = {"metadata": {"name": "smollm2", "namespace": "ml"}, "spec": {"port": 9000}}
-    assert handlers.servers(body=body) == {KEY: ServerRef("smollm2", "ml", 9000)}
+    assert handlers.servers(body=body) == {KEY: ServerRef("smollm2", "ml", 9000, "smollm2-admin-token")}
     assert handlers.server_pods(body=pod_body("smollm2-a")) == {KEY: pod_info(pod_body("smollm2-a"))}
     spec = {"baseModelServer": "smollm2", "source": "/s"}
     want = {KEY: ("fr", st.AdapterWant("fr", "/s"))}
@@ -256,11 +256,19 @@ def server_body(**spec) -> dict:
 @pytest.fixture
 def api_calls(monkeypatch):
     """Recorded stand-ins for the Kubernetes API: applies, and gets answered from `existing`."""
-    calls = {"applied": [], "existing": {}}
+    calls = {"applied": [], "existing": {}, "created": []}
 
     async def apply(api, obj):
         calls["applied"].append(obj)
         return obj
+
+    async def create_if_absent(api, obj):
+        key = (obj["kind"], obj["metadata"]["name"])
+        if key in calls["existing"]:
+            return False
+        calls["created"].append(obj)
+        calls["existing"][key] = obj
+        return True
 
     async def get(api, api_version, kind, namespace, name):
         return calls["existing"].get((kind, name))
@@ -269,6 +277,7 @@ def api_calls(monkeypatch):
         return False
 
     monkeypatch.setattr(kube, "apply", apply)
+    monkeypatch.setattr(kube, "create_if_absent", create_if_absent)
     monkeypatch.setattr(kube, "get", get)
     monkeypatch.setattr(kube, "delete_if_exists", delete_if_exists)
     return calls
@@ -288,12 +297,43 @@ def test_apply_server_creates_the_cache_claim_once_and_owned(api_calls, events):
         return first, claim, [o["kind"] for o in api_calls["applied"]]
 
     first, claim, second = with_ctx(run)
-    assert first == ["PersistentVolumeClaim", "Deployment", "Service"]  # the claim before the pods need it
+    assert first == ["PersistentVolumeClaim", "Deployment", "Service", "PodDisruptionBudget"]  # the claim first
     (owner,) = claim["metadata"]["ownerReferences"]
     assert (owner["kind"], owner["uid"], owner["controller"]) == ("BaseModelServer", "uid-bms", True)
     assert claim["spec"]["resources"]["requests"]["storage"] == "40Gi"
-    assert second == ["Deployment", "Service"]  # an existing claim is left as it is (its spec is immutable)
+    assert second == ["Deployment", "Service", "PodDisruptionBudget"]  # an existing claim is left as it is (immutable)
     assert events[0][:2] == ("info", "Applied") and "PersistentVolumeClaim/smollm2" in events[0][2]
+
+
+def test_apply_server_makes_the_admin_token_once_and_owned(api_calls, events):
+    """No adminTokenSecretRef: a random token in an owned Secret, created before the Deployment and never replaced
+    by later reconciles; with a ref, or on a vLLM server, none."""
+
+    async def run(memo, body):
+        kwargs = {"name": "smollm2", "namespace": "ml", "spec": body["spec"], "meta": body["metadata"], "memo": memo}
+        for _ in range(2):
+            await handlers.apply_server(body=body, patch=kopf.Patch(), **kwargs)
+
+    ok = metrics.REGISTRY.get_sample_value(
+        "loraplane_operator_reconciles_total", {"kind": "BaseModelServer", "result": "ok"}
+    )
+    with_ctx(lambda memo: run(memo, server_body()))
+    counted = metrics.REGISTRY.get_sample_value(
+        "loraplane_operator_reconciles_total", {"kind": "BaseModelServer", "result": "ok"}
+    )
+    assert counted == ok + 2  # /metrics counts each apply
+    (secret,) = api_calls["created"]
+    assert secret["metadata"]["name"] == "smollm2-admin-token" and secret["kind"] == "Secret"
+    assert [(o["kind"], o["uid"]) for o in secret["metadata"]["ownerReferences"]] == [("BaseModelServer", "uid-bms")]
+    assert len(secret["stringData"]["token"]) >= 40
+    deployment = next(o for o in api_calls["applied"] if o["kind"] == "Deployment")
+    env = {e["name"]: e for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
+    ref = {"name": "smollm2-admin-token", "key": "token"}
+    assert env["LORAPLANE_ADMIN_TOKEN"]["valueFrom"]["secretKeyRef"] == ref
+    api_calls["created"].clear()
+    with_ctx(lambda memo: run(memo, server_body(adminTokenSecretRef={"name": "mine"})))
+    with_ctx(lambda memo: run(memo, server_body(engine={"kind": "vllm"})))
+    assert api_calls["created"] == []
 
 
 def test_status_timer_reports_the_model_with_events_on_changes_only(api_calls, events):

@@ -386,7 +386,7 @@ def test_both_engine_kinds_put_hub_downloads_on_the_same_cache_volume():
     """HF_HUB_CACHE on the cache volume for our pods too: the server honours it before --model-cache (and the
     image sets HF_HOME), so without it an hf:// model would land in the container instead of the shared claim."""
     cache = {"volume": "PersistentVolumeClaim", "size": "40Gi"}
-    ours = builders.get_container({"model": "hf://org/m", "modelCache": cache})
+    ours = builders.get_container("m", {"model": "hf://org/m", "modelCache": cache})
     (server,) = vllm_builders.get_pod_spec(
         "s", {"model": "hf://org/m", "modelCache": cache, "engine": {"kind": "vllm"}}
     )["containers"]
@@ -394,4 +394,4 @@ def test_both_engine_kinds_put_hub_downloads_on_the_same_cache_volume():
     assert (
         hub == "/var/cache/loraplane-models/hub" == {e["name"]: e.get("value") for e in server["env"]}["HF_HUB_CACHE"]
     )
-    assert "HF_HUB_CACHE" not in {e["name"] for e in builders.get_container({"model": "hf://org/m"})["env"]}
+    assert "HF_HUB_CACHE" not in {e["name"] for e in builders.get_container("m", {"model": "hf://org/m"})["env"]}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import secrets
 from collections.abc import Mapping
 from typing import Any
 
@@ -145,7 +146,7 @@ def credentials_env(spec: Mapping[str, Any]) -> list[dict[str, Any]]:
     return env
 
 
-def _env(spec: Mapping[str, Any]) -> list[dict[str, Any]]:
+def _env(name: str, spec: Mapping[str, Any]) -> list[dict[str, Any]]:
     env: list[dict[str, Any]] = [
         {"name": c.POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
     ]
@@ -153,10 +154,38 @@ def _env(spec: Mapping[str, Any]) -> list[dict[str, Any]]:
         # hf:// models into the Hub's layout on the cache volume (the server honours HF_HUB_CACHE before
         # --model-cache, and the image sets HF_HOME): one download for every replica and either engine kind
         env.append({"name": "HF_HUB_CACHE", "value": f"{cache_mount_path(spec)}/hub"})
+    ref = admin_token_ref(name, spec)
+    if ref is not None:
+        env.append(secret_env(c.ADMIN_TOKEN_ENV, *ref))
+    return env + credentials_env(spec) + [dict(e) for e in spec.get("env") or []]
+
+
+# the admin token: the user's Secret, or one the operator makes, so the admin API is never open
+def generated_token_secret(name: str) -> str:
+    return f"{name}-admin-token"
+
+
+def admin_token_ref(name: str, spec: Mapping[str, Any]) -> tuple[str, str] | None:
+    """(Secret, key) of the server's admin token: spec.adminTokenSecretRef, else the Secret the operator makes for
+    our engine. None for a vLLM server without one: vLLM's key guards inference too, so it stays the user's call."""
     ref = spec.get("adminTokenSecretRef")
     if ref:
-        env.append(secret_env(c.ADMIN_TOKEN_ENV, ref["name"], ref.get("key") or "token"))
-    return env + credentials_env(spec) + [dict(e) for e in spec.get("env") or []]
+        return str(ref["name"]), str(ref.get("key") or c.TOKEN_KEY)
+    return None if is_vllm(spec) else (generated_token_secret(name), c.TOKEN_KEY)
+
+
+def get_admin_token_secret(bms: Body) -> dict[str, Any] | None:
+    """The Secret with a random admin token (256 bits) for a server without adminTokenSecretRef, else None. Created
+    once (apply_children never overwrites it: a new value each reconcile would lock the pods out)."""
+    name, spec = bms["metadata"]["name"], bms.get("spec") or {}
+    if spec.get("adminTokenSecretRef") or admin_token_ref(name, spec) is None:
+        return None
+    obj = manifest("v1", "Secret", bms, {})
+    del obj["spec"]
+    obj["metadata"]["name"] = generated_token_secret(name)
+    obj["type"] = "Opaque"
+    obj["stringData"] = {c.TOKEN_KEY: secrets.token_urlsafe(32)}
+    return obj
 
 
 # model cache
@@ -232,22 +261,26 @@ def _probe(path: str, period_s: int, failures: int) -> dict[str, Any]:
     }
 
 
-def get_container(spec: Mapping[str, Any]) -> dict[str, Any]:
+def get_container(name: str, spec: Mapping[str, Any]) -> dict[str, Any]:
     container: dict[str, Any] = {
         "name": c.CONTAINER_NAME,
         "image": spec.get("image") or DEFAULT_IMAGE,
         "imagePullPolicy": spec.get("imagePullPolicy") or "IfNotPresent",
         "command": list(spec.get("command") or c.DEFAULT_COMMAND),
         "args": server_args(spec),
-        "env": _env(spec),
+        "env": _env(name, spec),
         "ports": [{"name": c.PORT_NAME, "containerPort": server_port(spec), "protocol": "TCP"}],
         "readinessProbe": _probe("/ready", 5, 3),
         "livenessProbe": _probe("/health", 10, 6),
         # a start-up failure's last log line becomes the terminated state's message, read into status.model
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
-    if spec.get("modelCache") is not None:
-        container["volumeMounts"] = [{"name": c.CACHE_VOLUME, "mountPath": cache_mount_path(spec)}]
+    has_cache = spec.get("modelCache") is not None
+    mounts = [{"name": c.CACHE_VOLUME, "mountPath": cache_mount_path(spec)}] if has_cache else []
+    mounts += [{"name": volume, "mountPath": path} for volume, path in writable_dirs(spec)]
+    if mounts:
+        container["volumeMounts"] = mounts
+    container["securityContext"] = container_security(read_only_root(spec))
     resources = container_resources(spec)
     if resources:
         container["resources"] = resources
@@ -257,24 +290,93 @@ def get_container(spec: Mapping[str, Any]) -> dict[str, Any]:
 def get_pod_spec(name: str, spec: Mapping[str, Any]) -> dict[str, Any]:
     """The pod of our engine (vllm_builders makes vLLM's)."""
     pod: dict[str, Any] = {
-        "containers": [get_container(spec)],
+        "containers": [get_container(name, spec)],
         "terminationGracePeriodSeconds": c.TERMINATION_GRACE_S,
+        "securityContext": pod_security(),
     }
     volume = cache_volume(name, spec)
-    if volume is not None:
-        pod["volumes"] = [volume]
+    volumes = [volume] if volume is not None else []
+    volumes += [{"name": volume, "emptyDir": {}} for volume, _ in writable_dirs(spec)]
+    if volumes:
+        pod["volumes"] = volumes
     return scheduling(spec, pod)
 
 
-def scheduling(spec: Mapping[str, Any], pod: dict[str, Any]) -> dict[str, Any]:
-    """The pod with the spec's node selector, tolerations and service account."""
-    if spec.get("nodeSelector"):
-        pod["nodeSelector"] = dict(spec["nodeSelector"])
-    if spec.get("tolerations"):
-        pod["tolerations"] = [dict(t) for t in spec["tolerations"]]
-    if spec.get("serviceAccountName"):
-        pod["serviceAccountName"] = spec["serviceAccountName"]
+# hardening: what Pod Security's `restricted` level asks of a pod, and a read-only root filesystem
+def read_only_root(spec: Mapping[str, Any]) -> bool:
+    """spec.pod.readOnlyRootFilesystem, true when left out (the CRD's default)."""
+    return bool((spec.get("pod") or {}).get("readOnlyRootFilesystem", True))
+
+
+def writable_dirs(spec: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """(volume, mount path) of the emptyDirs a read-only root needs; none where the root is writable, and none on
+    the model cache's own mount path."""
+    if not read_only_root(spec):
+        return []
+    taken = cache_mount_path(spec) if spec.get("modelCache") is not None else None
+    return [(volume, path) for volume, path in c.WRITABLE_DIRS if path != taken]
+
+
+def pod_security() -> dict[str, Any]:
+    """Non-root as the images' user (uid 10001, which owns /cache in the server image), volumes writable by its
+    group, the container runtime's default seccomp profile."""
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": c.RUN_AS_UID,
+        "runAsGroup": c.RUN_AS_UID,
+        "fsGroup": c.RUN_AS_UID,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def container_security(read_only: bool) -> dict[str, Any]:
+    """No privilege escalation, every capability dropped, the root filesystem read-only unless turned off."""
+    return {
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"]},
+        "readOnlyRootFilesystem": read_only,
+    }
+
+
+# scheduling
+PLACEMENT_FIELDS = ("affinity", "topologySpreadConstraints")  # where the server pods go: not the router's
+POD_FIELDS = ("priorityClassName", "imagePullSecrets")  # the server's and the router's pods alike
+
+
+def scheduling(spec: Mapping[str, Any], pod: dict[str, Any], server: bool = True) -> dict[str, Any]:
+    """The pod with spec.pod's priority class and image pull secrets and, for the server pods (`server`), the node
+    selector and tolerations (top level and spec.pod's), affinity, topology spread and service account. The
+    router's pods keep their own account and go wherever the scheduler puts them, off the GPU nodes."""
+    extra = spec.get("pod") or {}
+    fields: tuple[str, ...] = POD_FIELDS
+    if server:
+        fields = (*PLACEMENT_FIELDS, *POD_FIELDS)
+        selector = {**(spec.get("nodeSelector") or {}), **(extra.get("nodeSelector") or {})}
+        if selector:
+            pod["nodeSelector"] = selector
+        tolerations = [dict(t) for t in [*(spec.get("tolerations") or []), *(extra.get("tolerations") or [])]]
+        if tolerations:
+            pod["tolerations"] = tolerations
+        if spec.get("serviceAccountName"):
+            pod["serviceAccountName"] = spec["serviceAccountName"]
+    for field in fields:
+        if extra.get(field):
+            pod[field] = json.loads(json.dumps(extra[field]))  # a deep copy of plain JSON
     return pod
+
+
+def get_disruption_budget(bms: Body) -> dict[str, Any] | None:
+    """A PodDisruptionBudget over the server pods (maxUnavailable 1 by default), None when turned off. A node
+    drain then evicts one server pod at a time, and the Deployment replaces it before the next goes."""
+    name, spec = bms["metadata"]["name"], bms.get("spec") or {}
+    budget = spec.get("disruptionBudget") or {}
+    if budget.get("enabled") is False:
+        return None
+    pdb_spec = {
+        "maxUnavailable": budget.get("maxUnavailable", 1),
+        "selector": {"matchLabels": selector_labels(name)},
+    }
+    return manifest("policy/v1", "PodDisruptionBudget", bms, pdb_spec)
 
 
 def is_autoscaled(spec: Mapping[str, Any]) -> bool:

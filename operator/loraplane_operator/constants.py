@@ -41,14 +41,23 @@ CONTAINER_NAME = "server"
 PORT_NAME = "http"
 DEFAULT_COMMAND = ("loraplane", "serve")
 ADMIN_TOKEN_ENV = "LORAPLANE_ADMIN_TOKEN"
+TOKEN_KEY = "token"  # the admin token's key in its Secret (adminTokenSecretRef.key's default)
 HF_TOKEN_ENV = "HF_TOKEN"
 AWS_KEY_ID_ENV = "AWS_ACCESS_KEY_ID"
 AWS_SECRET_ENV = "AWS_SECRET_ACCESS_KEY"
 CACHE_VOLUME = "model-cache"
+# the writable directories of a read-only root filesystem (Dockerfile.server writes only there): volume, path
+WRITABLE_DIRS = (("tmp", "/tmp"), ("cache", "/cache"))
+RUN_AS_UID = 10001  # the images' user (Dockerfile.server, Dockerfile.operator)
 FAILURE_PREFIX = "loraplane: failed to start: "  # the server's last stderr line when it cannot start
 POD_IP_ENV = "POD_IP"
 GPU_RESOURCE = "nvidia.com/gpu"
 QUEUE_DEPTH_METRIC = "loraplane_queue_depth"
+# leader election among operator replicas (client-go's defaults): a killed leader's Lease is taken over within
+# LEASE_DURATION_S of its last renewal
+LEASE_DURATION_S = 15  # an int: the library writes it as the Lease's leaseDurationSeconds via int(str(...))
+LEASE_RENEW_DEADLINE_S = 10
+LEASE_RETRY_S = 2
 TERMINATION_GRACE_S = 45  # the server's own --shutdown-grace is 30 s
 
 # vLLM server pods (spec.engine.kind vllm)

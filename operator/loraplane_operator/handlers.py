@@ -19,7 +19,7 @@ import kopf
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from loraplane_operator import adapter_status as st
-from loraplane_operator import builders, kube, reconcile, router_builders, vllm_builders
+from loraplane_operator import builders, kube, metrics, reconcile, router_builders, vllm_builders
 from loraplane_operator import constants as c
 from loraplane_operator.context import OperatorContext
 from loraplane_operator.server_status import PodInfo, ServerRef, current_pods, pod_info, server_ref, server_status
@@ -86,26 +86,35 @@ async def apply_server(
     patch: kopf.Patch,
     **_: Any,
 ) -> None:
-    """Model cache claim (if created) + Deployment + Service (+ HPA or ScaledObject) (+ the router), owned by
-    the BaseModelServer, applied idempotently."""
+    """Model cache claim (if created) + Deployment + Service (+ HPA or ScaledObject) (+ PodDisruptionBudget)
+    (+ the router), owned by the BaseModelServer, applied idempotently."""
     ctx, namespace = _ctx(memo), namespace or ""
+    with metrics.reconcile(c.BMS_KIND):
+        objs = await _apply_server(ctx, body, name, namespace, spec)
+    patch.status["observedGeneration"] = meta.get("generation")
+    patch.status["selector"] = builders.selector_string(name)
+    kopf.info(body, reason="Applied", message=", ".join(f"{o['kind']}/{o['metadata']['name']}" for o in objs))
+
+
+async def _apply_server(
+    ctx: OperatorContext, body: kopf.Body, name: str, namespace: str, spec: kopf.Spec
+) -> list[dict[str, Any]]:
     try:
         autoscaled = builders.is_autoscaled(spec)
         live = await reconcile.current_replicas(ctx, namespace, name, spec) if autoscaled else None
-        claim = builders.get_model_cache_claim(body)
-        objs = [claim] if claim is not None else []
+        # the claim and the token first: the pods need them when they start
+        objs = [o for o in (builders.get_model_cache_claim(body), builders.get_admin_token_secret(body)) if o]
         objs += [vllm_builders.get_workload(body, live), builders.get_service(body)]
-        autoscaler = builders.get_autoscaler(body)
-        if autoscaler is not None:
-            objs.append(autoscaler)
+        objs += [o for o in (builders.get_autoscaler(body), builders.get_disruption_budget(body)) if o is not None]
         objs += router_builders.get_router_objects(body)
         kopf.adopt(objs, owner=body)
         await reconcile.apply_children(ctx, objs, namespace, name)
     except ApiException as exc:
-        raise _api_error(exc, "applying the server's children") from exc
-    patch.status["observedGeneration"] = meta.get("generation")
-    patch.status["selector"] = builders.selector_string(name)
-    kopf.info(body, reason="Applied", message=", ".join(f"{o['kind']}/{o['metadata']['name']}" for o in objs))
+        error = _api_error(exc, "applying the server's children")
+        if isinstance(error, kopf.TemporaryError):
+            metrics.RETRIES.labels(c.BMS_KIND).inc()
+        raise error from exc
+    return objs
 
 
 @kopf.timer(*BMS, interval=c.SERVER_RESYNC_S)  # type: ignore[arg-type]  # index kwargs are not in kopf's protocols
@@ -171,9 +180,10 @@ async def adapter_daemon(
         server: ServerRef | None = _first(servers, key)
         try:
             retry = (meta.get("annotations") or {}).get(c.RETRY_ANNOTATION)
-            out = await reconcile.adapter_round(
-                ctx, name, spec, current, meta.get("generation"), server, server_pods.get(key, []), retry
-            )
+            with metrics.reconcile(c.LORA_KIND):
+                out = await reconcile.adapter_round(
+                    ctx, name, spec, current, meta.get("generation"), server, server_pods.get(key, []), retry
+                )
         except (ApiException, KeyError) as exc:  # the admin token Secret cannot be read
             message = f"cannot read the admin token of BaseModelServer {key[1]!r}: {exc}"
             out = reconcile.RoundOutcome(
@@ -187,8 +197,12 @@ async def adapter_daemon(
                 logger.warning(f"status not written: {exc.status} {exc.reason}")
             else:
                 _report(body, current.get("phase"), out.status, logger)
+                if int(out.status.get("attempts") or 0) > int(current.get("attempts") or 0):
+                    metrics.RETRIES.labels(c.LORA_KIND).inc()  # a transient failure: another try after backoff
                 current = {k: v for k, v in {**current, **diff}.items() if v is not None}
+        metrics.ADAPTERS.set(namespace, name, current.get("phase"))
         await _sleep(wake, stopped, out.delay_s)
+    metrics.ADAPTERS.set(namespace, name, None)  # deleted, or this operator stops
 
 
 def _report(body: kopf.Body, before: str | None, status: dict, logger: kopf.Logger) -> None:

@@ -20,6 +20,8 @@ PLURALS = {
     "HorizontalPodAutoscaler": "horizontalpodautoscalers",
     "ScaledObject": c.KEDA_PLURAL,
     "LeaderWorkerSet": "leaderworkersets",
+    "PodDisruptionBudget": "poddisruptionbudgets",
+    "Secret": "secrets",
     "ServiceAccount": "serviceaccounts",
     "Role": "roles",
     "RoleBinding": "rolebindings",
@@ -71,6 +73,18 @@ async def apply(api: client.ApiClient, obj: Mapping[str, Any]) -> dict[str, Any]
     path = resource_path(obj["apiVersion"], PLURALS[obj["kind"]], meta["namespace"], meta["name"])
     query = [("fieldManager", c.FIELD_MANAGER), ("force", "true")]
     return await _call(api, "PATCH", path, dict(obj), query, "application/apply-patch+yaml")
+
+
+async def create_if_absent(api: client.ApiClient, obj: Mapping[str, Any]) -> bool:
+    """POST one object; False if one of that name exists already (left exactly as it is)."""
+    meta = obj["metadata"]
+    try:
+        await _call(api, "POST", resource_path(obj["apiVersion"], PLURALS[obj["kind"]], meta["namespace"]), dict(obj))
+    except ApiException as exc:
+        if exc.status == 409:
+            return False
+        raise
+    return True
 
 
 async def delete_if_exists(api: client.ApiClient, api_version: str, kind: str, namespace: str, name: str) -> bool:

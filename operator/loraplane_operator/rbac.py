@@ -20,8 +20,9 @@ RULES: list[dict[str, list[str]]] = [
     {"apiGroups": ["autoscaling"], "resources": ["horizontalpodautoscalers"], "verbs": _CRUD},
     {"apiGroups": ["keda.sh"], "resources": ["scaledobjects"], "verbs": _CRUD},
     {"apiGroups": ["leaderworkerset.x-k8s.io"], "resources": ["leaderworkersets"], "verbs": _CRUD},
+    {"apiGroups": ["policy"], "resources": ["poddisruptionbudgets"], "verbs": _CRUD},
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
-    {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"]},
+    {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get", "create"]},  # create: generated admin tokens
     {"apiGroups": ["", "events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]},
     {"apiGroups": ["apiextensions.k8s.io"], "resources": ["customresourcedefinitions"],
      "verbs": ["get", "list", "watch"]},

@@ -25,6 +25,7 @@ from loraplane_operator.server_status import ModelReport, PodInfo, ServerRef, mo
 AUTOSCALERS = ((c.HPA_API_VERSION, "HorizontalPodAutoscaler"), (c.KEDA_API_VERSION, "ScaledObject"))
 # what runs the server pods: a switch between them (vLLM onto several nodes and back) deletes the other
 WORKLOADS = (("apps/v1", "Deployment"), (c.LWS_API_VERSION, "LeaderWorkerSet"))
+OPTIONAL = (("policy/v1", "PodDisruptionBudget"),)  # off by a spec switch: deleted when turned off
 
 
 def now_iso() -> str:
@@ -43,19 +44,23 @@ def age_s(timestamp: str | None, now: str) -> float | None:
 
 # BaseModelServer
 async def apply_children(ctx: OperatorContext, objs: Sequence[Mapping[str, Any]], namespace: str, name: str) -> None:
-    """Apply the model cache's claim (created once), the Deployment, Service, autoscaler and router; delete the
-    autoscaler kind and the router objects the spec no longer asks for. The claim is never deleted here (its
-    owner's deletion does)."""
+    """Apply the model cache's claim (created once), the Deployment, Service, autoscaler, disruption budget and
+    router; delete the autoscaler kind, the budget and the router objects the spec no longer asks for. The claim
+    is never deleted here (its owner's deletion does)."""
     for obj in objs:
         try:
-            if obj["kind"] == "PersistentVolumeClaim" and await _exists(ctx, obj):
+            if obj["kind"] == "Secret":  # a generated token is never replaced (the pods hold it)
+                await kube.create_if_absent(ctx.api, obj)
+            elif obj["kind"] == "PersistentVolumeClaim" and await _exists(ctx, obj):
                 continue  # a bound claim's spec is immutable; the downloaded models stay
-            await kube.apply(ctx.api, obj)
+            else:
+                await kube.apply(ctx.api, obj)
         except ApiException as exc:
             exc.reason = f"{obj['kind']} ({obj['apiVersion']}): {exc.reason}"
             raise
     applied = {(o["kind"], o["metadata"]["name"]) for o in objs}
-    gone = [(v, k, name) for v, k in (*AUTOSCALERS, *WORKLOADS)] + [(v, k, router_name(name)) for v, k in ROUTER_KINDS]
+    gone = [(v, k, name) for v, k in (*AUTOSCALERS, *WORKLOADS, *OPTIONAL)]
+    gone += [(v, k, router_name(name)) for v, k in ROUTER_KINDS]
     for api_version, kind, obj_name in gone:
         if (kind, obj_name) not in applied:
             await kube.delete_if_exists(ctx.api, api_version, kind, namespace, obj_name)

@@ -69,14 +69,9 @@ def get_router_deployment(bms: Body) -> dict[str, Any]:
     server, namespace = meta["name"], meta.get("namespace") or "default"
     router = spec.get("router") or {}
     env: list[dict[str, Any]] = [{"name": c.POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
-    ref = spec.get("adminTokenSecretRef")
-    if ref:  # the servers' residency needs their admin token (/v1/adapters; on vLLM, /v1/models: its --api-key)
-        env.append(
-            {
-                "name": c.ADMIN_TOKEN_ENV,
-                "valueFrom": {"secretKeyRef": {"name": ref["name"], "key": ref.get("key") or "token"}},
-            }
-        )
+    ref = builders.admin_token_ref(server, spec)
+    if ref is not None:  # the servers' residency needs their admin token (/v1/adapters; on vLLM, /v1/models: its key)
+        env.append(builders.secret_env(c.ADMIN_TOKEN_ENV, *ref))
     container: dict[str, Any] = {
         "name": ROUTER_COMPONENT,
         "image": router.get("image") or spec.get("image") or builders.DEFAULT_IMAGE,
@@ -90,7 +85,10 @@ def get_router_deployment(bms: Body) -> dict[str, Any]:
     }
     if router.get("resources"):
         container["resources"] = dict(router["resources"])
-    pod = {"serviceAccountName": router_name(server), "containers": [container]}
+    container["securityContext"] = builders.container_security(read_only=True)  # the router writes no file
+    pod: dict[str, Any] = {"serviceAccountName": router_name(server), "containers": [container]}
+    pod["securityContext"] = builders.pod_security()
+    pod = builders.scheduling(spec, pod, server=False)  # its own account and placement, not the GPU servers'
     dep_spec = {
         "replicas": int(router.get("replicas", 2)),
         "selector": {"matchLabels": router_selector_labels(server)},

@@ -420,12 +420,12 @@ class ServerRef:
 
 def server_ref(bms: Mapping[str, Any]) -> ServerRef:
     meta, spec = bms["metadata"], bms.get("spec") or {}
-    ref = spec.get("adminTokenSecretRef") or {}
+    ref = builders.admin_token_ref(meta["name"], spec)
     return ServerRef(
         name=meta["name"],
         namespace=meta.get("namespace", ""),
         port=builders.server_port(spec),
-        token_secret=ref.get("name"),
-        token_key=ref.get("key") or "token",
+        token_secret=ref[0] if ref else None,
+        token_key=ref[1] if ref else c.TOKEN_KEY,
         engine=builders.engine_kind(spec),
     )

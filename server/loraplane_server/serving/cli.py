@@ -404,7 +404,15 @@ def cmd_operator(a: argparse.Namespace) -> int:
     """Reconcile BaseModelServer and LoRAAdapter resources until SIGTERM."""
     from loraplane_operator.main import run_operator
 
-    run_operator(namespace=a.namespace, standalone=True, liveness_endpoint=a.liveness, verbose=a.verbose)
+    run_operator(
+        namespace=a.namespace,
+        standalone=True,
+        liveness_endpoint=a.liveness,
+        verbose=a.verbose,
+        metrics_port=a.metrics_port,
+        metrics_address=a.metrics_address,
+        leader_election=a.leader_elect,
+    )
     return 0
 
 
@@ -495,6 +503,14 @@ def main(argv: list[str] | None = None) -> int:
     op = sub.add_parser("operator", help="run the Kubernetes operator (kopf)")
     op.add_argument("--namespace", default=None, help="watch one namespace (default: the whole cluster)")
     op.add_argument("--liveness", default=None, help="liveness endpoint, e.g. http://0.0.0.0:8080/healthz")
+    op.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
+    op.add_argument("--metrics-address", default="0.0.0.0", help="the address /metrics binds (with --metrics-port)")
+    op.add_argument(
+        "--leader-elect",
+        default=None,
+        metavar="NAMESPACE/NAME",
+        help="campaign for this coordination.k8s.io Lease and reconcile only while holding it (several replicas)",
+    )
     op.add_argument("--verbose", action="store_true")
     op.set_defaults(func=cmd_operator)
     a = parser.parse_args(argv)
