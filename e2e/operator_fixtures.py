@@ -20,6 +20,7 @@ import yaml
 from e2e.cluster import REPO_ROOT, LocalCluster
 from e2e.kubectl import Kubectl, KubectlError
 from e2e.process import spawn, stop
+from loraplane_operator.constants import ADMIN_TOKEN_ENV
 
 CRD_DIR = REPO_ROOT / "crds"
 SAMPLES_DIR = CRD_DIR / "samples"
@@ -30,7 +31,6 @@ OPERATOR_ACCOUNT = "loraplane-operator"
 SERVER_LABEL = "loraplane.dev/server"
 FINALIZER = "loraplane.dev/finalizer"
 GROUP = "loraplane.dev"
-ADMIN_TOKEN_ENV = "LORAPLANE_ADMIN_TOKEN"  # loraplane_operator.constants.ADMIN_TOKEN_ENV
 
 
 # the operator

@@ -107,7 +107,7 @@ def fetch_container(name: str, spec: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def server_env(spec: Mapping[str, Any]) -> list[dict[str, Any]]:
+def server_env(name: str, spec: Mapping[str, Any]) -> list[dict[str, Any]]:
     engine = spec.get("engine") or {}
     env: list[dict[str, Any]] = [
         {"name": c.POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
@@ -116,9 +116,9 @@ def server_env(spec: Mapping[str, Any]) -> list[dict[str, Any]]:
     ]
     if builders.gpu_count(spec) == 0 and engine.get("kvCacheGiB") is not None:
         env.append({"name": "VLLM_CPU_KVCACHE_SPACE", "value": str(engine["kvCacheGiB"])})  # GiB, as ours
-    ref = spec.get("adminTokenSecretRef")
-    if ref:
-        env.append(builders.secret_env(c.VLLM_API_KEY_ENV, ref["name"], ref.get("key") or "token"))
+    ref = builders.admin_token_ref(name, spec)  # the user's Secret only: none is generated for vLLM
+    if ref is not None:
+        env.append(builders.secret_env(c.VLLM_API_KEY_ENV, *ref))
     return env + builders.credentials_env(spec) + [dict(e) for e in spec.get("env") or []]
 
 
@@ -139,7 +139,7 @@ def server_container(name: str, spec: Mapping[str, Any], command: list[str] | No
         "imagePullPolicy": spec.get("imagePullPolicy") or "IfNotPresent",
         "command": command or list(spec.get("command") or c.VLLM_COMMAND),
         "args": [] if command else vllm_args(name, spec),
-        "env": server_env(spec),
+        "env": server_env(name, spec),
         "ports": [{"name": c.PORT_NAME, "containerPort": builders.server_port(spec), "protocol": "TCP"}],
         # vLLM answers /health once its engine is up (weights loaded, KV cache allocated): up to 30 min for a
         # large model, then readiness and liveness on the same route
