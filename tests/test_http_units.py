@@ -18,7 +18,7 @@ from loraplane_server.serving.http.admin import is_valid_adapter_id
 from loraplane_server.serving.http.errors import Rejected, error_body
 from loraplane_server.serving.http.metrics import AdapterUsage, Metrics
 from loraplane_server.serving.http.server_config import ServerConfig, parse_bytes
-from loraplane_server.serving.http.state import Lifecycle
+from loraplane_server.serving.http.state import Lifecycle, Phase
 
 
 def test_usage_labels_stay_bounded_and_every_series_only_grows() -> None:
@@ -65,6 +65,25 @@ def test_admission_queue_limit_and_draining() -> None:
     late.begin_drain(grace_s=0.01)
     time.sleep(0.02)
     assert late.can_exit  # out of time
+
+
+def test_the_prewarm_gate_holds_a_loaded_server_out_of_rotation_until_opened() -> None:
+    life = Lifecycle(max_queue=4, prewarm_timeout_s=30)
+    life.mark_ready()  # loaded: behind the gate
+    assert life.phase == Phase.PREWARMING and not life.is_ready
+    body = life.progress()
+    assert body["status"] == "prewarming" and body["prewarm_timeout_seconds"] == 30 and "prewarm" not in body
+    life.admit()  # the model is loaded: a request sent to the pod itself is served
+    assert life.open_gate("operator") and life.is_ready
+    assert life.progress() == {"status": "ready", "prewarm": "operator"}
+    assert not life.open_gate("timeout")  # once: the first word stands
+    ungated = Lifecycle(max_queue=1)
+    ungated.mark_ready()
+    assert ungated.is_ready and not ungated.open_gate("operator") and "prewarm" not in ungated.progress()
+    draining = Lifecycle(max_queue=1, prewarm_timeout_s=30)
+    draining.mark_ready()
+    draining.begin_drain(grace_s=1)  # SIGTERM behind the gate: it drains, and the gate stays shut
+    assert not draining.open_gate("operator") and not draining.is_ready and draining.can_exit
 
 
 def test_ready_reports_the_start_up_step_the_engine_is_in(tiny_llama_dir: Path) -> None:

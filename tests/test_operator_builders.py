@@ -44,7 +44,10 @@ def test_deployment_defaults():
     assert dep["spec"]["strategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
     ctr = container(dep)
     assert ctr["command"] == ["loraplane", "serve"]
-    assert ctr["args"] == ["--model", "smollm2-135m", "--device", "cuda", "--host", "$(POD_IP)", "--port", "8080"]
+    assert ctr["args"] == [
+        *("--model", "smollm2-135m", "--device", "cuda", "--host", "$(POD_IP)", "--port", "8080"),
+        *("--prewarm-timeout", "120"),  # no cold pod in rotation: Ready once prewarmed, 120 s at most
+    ]
     assert ctr["env"] == [
         {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         {
@@ -457,6 +460,22 @@ def test_disruption_budget():
     half = builders.get_disruption_budget(bms(disruptionBudget={"maxUnavailable": "50%"}))
     assert half is not None and half["spec"]["maxUnavailable"] == "50%"
     assert builders.get_disruption_budget(bms(disruptionBudget={"enabled": False})) is None
+
+
+def test_prewarm_gate_becomes_the_servers_timeout_and_vllm_has_none():
+    def args(**spec) -> list[str]:
+        return container(builders.get_deployment(bms(**spec)))["args"]
+
+    def timeout(flags: list[str]) -> str | None:
+        return flags[flags.index("--prewarm-timeout") + 1] if "--prewarm-timeout" in flags else None
+
+    assert timeout(args()) == str(c.PREWARM_TIMEOUT_S)
+    assert timeout(args(prewarmGate={"timeoutSeconds": 600})) == "600"
+    assert timeout(args(prewarmGate={"enabled": False, "timeoutSeconds": 600})) is None
+    assert server_ref(bms()).is_gated and not server_ref(bms(prewarmGate={"enabled": False})).is_gated
+    vllm = bms(engine={"kind": "vllm"}, resources={"gpus": 1})
+    assert not server_ref(vllm).is_gated and builders.prewarm_timeout_s(vllm["spec"]) == 0
+    assert "--prewarm-timeout" not in str(vllm_builders.get_workload(vllm, None))
 
 
 def test_created_claim():

@@ -58,7 +58,7 @@ class Stopped:
 
 def test_indexes():
     body = {"metadata": {"name": "smollm2", "namespace": "ml"}, "spec": {"port": 9000}}
-    assert handlers.servers(body=body) == {KEY: ServerRef("smollm2", "ml", 9000, "smollm2-admin-token")}
+    assert handlers.servers(body=body) == {KEY: ServerRef("smollm2", "ml", 9000, "smollm2-admin-token", is_gated=True)}
     assert handlers.server_pods(body=pod_body("smollm2-a")) == {KEY: pod_info(pod_body("smollm2-a"))}
     spec = {"baseModelServer": "smollm2", "source": "/s"}
     want = {KEY: ("fr", st.AdapterWant("fr", "/s"))}
@@ -168,7 +168,7 @@ def test_pod_turning_ready_gets_every_adapter(pod, events):
         ("french", st.AdapterWant("french", "/a/french", "host")),
         ("json", st.AdapterWant("json", "/a/json", "disk", replicas=1)),
     ]
-    indexes = {"servers": {KEY: [ServerRef("smollm2", "ml", pod.port)]}, "adapters": {KEY: wants}}
+    indexes = {"servers": {KEY: [ServerRef("smollm2", "ml", pod.port)]}, "adapters": {KEY: wants}, "server_pods": {}}
     logger = kopf.LocalObjectLogger(body={"metadata": {"name": "p"}}, settings=kopf.OperatorSettings())
 
     def body(ready: bool, restarts: int = 0) -> dict:
@@ -204,10 +204,46 @@ def test_initial_listing_of_a_ready_pod_sends_nothing(pod, events):
             logger=kopf.LocalObjectLogger(body={}, settings=kopf.OperatorSettings()),
             servers={KEY: [ServerRef("smollm2", "ml", pod.port)]},
             adapters={KEY: [("french", st.AdapterWant("french", "/a/french"))]},
+            server_pods={},
         )
 
     with_ctx(run)
     assert pod.posts == []
+
+
+def test_a_gated_servers_starting_pod_gets_one_warmer_per_run_and_loses_it_when_deleted(events):
+    server = ServerRef("smollm2", "ml", 1, is_gated=True)  # port 1: nothing listens, the warmer keeps polling
+    logger = kopf.LocalObjectLogger(body={"metadata": {"name": "p"}}, settings=kopf.OperatorSettings())
+
+    def body(restarts: int = 0) -> dict:
+        b = pod_body("smollm2-a", ready=False, ip="127.0.0.1", restarts=restarts)
+        b["status"]["containerStatuses"][0]["state"] = {"running": {}}
+        return b
+
+    async def run(memo):
+        ctx = memo["ctx"]
+
+        async def event(kind, b, srv=server):
+            indexes = {"servers": {KEY: [srv]}, "adapters": {KEY: []}, "server_pods": {KEY: [pod_info(b)]}}
+            await handlers.server_pod_event(event={"type": kind}, body=b, memo=memo, logger=logger, **indexes)
+
+        await event(None, body())  # the initial listing starts one too (the operator restarted mid-start)
+        first = ctx.warmers["uid-smollm2-a"][1]
+        await event("MODIFIED", body())
+        same = ctx.warmers["uid-smollm2-a"][1] is first
+        await event("MODIFIED", body(restarts=1))  # a new run of the server: a new warmer, the old one stopped
+        second = ctx.warmers["uid-smollm2-a"][1]
+        await asyncio.sleep(0)
+        await event("DELETED", body(restarts=1))
+        await asyncio.sleep(0)
+        ungated = pod_body("smollm2-b", ready=False, ip="127.0.0.1")
+        ungated["status"]["containerStatuses"][0]["state"] = {"running": {}}
+        await event("MODIFIED", ungated, ServerRef("smollm2", "ml", 1))
+        return same, first.cancelled(), second.cancelled(), dict(ctx.warmers)
+
+    same, first_cancelled, second_cancelled, left = with_ctx(run)
+    assert same and first_cancelled and second_cancelled
+    assert left == {}  # deleted, and an ungated server's pods get none
 
 
 def unload(memo, pod, retry: int) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -23,12 +24,14 @@ from loraplane_operator.server_status import (
     current_pods,
     draft_model_status,
     failure_line,
+    is_starting,
     last_start_failure,
     model_phase,
     model_report,
     model_status,
     pod_info,
     progress_text,
+    ready_pods,
     server_phase,
     server_ref,
     server_status,
@@ -138,6 +141,27 @@ def test_choose_tiers_all_or_the_first_n_of_the_ranking():
     other = st.AdapterWant("german", "/s", "disk", replicas=1)
     assert [p for p, t in st.choose_tiers(pods, other).items() if t == "disk"] == rank("german", pods)[:1]
     assert st.choose_tiers(pods[:1], two) == {"p-a": "host"}
+
+
+def test_a_gated_pod_waits_for_the_adapters_placed_on_it_at_their_tier_or_warmer():
+    pods = ["p-a", "p-b", "p-c"]
+    everywhere = st.AdapterWant("french", "/s", "host")
+    one = [st.AdapterWant(f"t-{i}", "/s", "device", replicas=1) for i in range(12)]
+    mine = sorted(w.adapter_id for w in one if rank(w.adapter_id, pods)[0] == "p-b")
+    assert mine and len(mine) < len(one)  # the ranking puts some here, the rest elsewhere
+    wants = [everywhere, *one]
+    assert st.prewarm_pending("p-b", pods, wants, {}) == sorted(["french", *mine])
+    rows = {"french": row("ready", "device")} | {a: row("ready", "device") for a in mine[1:]}
+    rows[mine[0]] = row("loading", "host")
+    assert st.prewarm_pending("p-b", pods, wants, rows) == [mine[0]]  # french warmer than host counts
+    rows[mine[0]] = {**row("failed", "source"), "last_error": "broken"}  # its own status says why
+    assert st.prewarm_pending("p-b", pods, wants, rows) == []
+    colder = {**rows, "french": row("ready", "disk")}
+    assert st.prewarm_pending("p-b", pods, wants, colder) == ["french"]
+    registered_only = {w.adapter_id: row("registered", "source") for w in one}
+    assert st.prewarm_pending("p-a", pods, one, registered_only) == sorted(
+        w.adapter_id for w in one if rank(w.adapter_id, pods)[0] == "p-a"
+    )
 
 
 def test_backoff_and_retry_budget():
@@ -304,6 +328,19 @@ def pod_body(name: str, ready: bool = True, ip: str | None = "10.0.0.1", restart
     }
 
 
+def test_warming_pods_count_for_placement_and_starting_pods_are_found():
+    ready, starting = pod_info(pod_body("p-a")), pod_info(pod_body("p-b", ready=False))
+    assert [p.name for p in ready_pods([ready, starting])] == ["p-a"]
+    assert [p.name for p in ready_pods([ready, starting], [starting])] == ["p-a", "p-b"]
+    assert [p.name for p in ready_pods([ready], [replace(ready, is_ready=False)])] == ["p-a"]  # one per name
+    running = pod_body("p-c", ready=False)
+    running["status"]["containerStatuses"][0]["state"] = {"running": {}}
+    assert is_starting(pod_info(running))
+    assert not is_starting(pod_info(pod_body("p-d", ready=False)))  # no container running yet
+    running["metadata"]["deletionTimestamp"] = NOW
+    assert not is_starting(pod_info(running))  # terminating
+
+
 def test_pod_info():
     info = pod_info(pod_body("smollm2-a", restarts=2))
     assert info == PodInfo("smollm2-a", "ml", "smollm2", "uid-smollm2-a", "10.0.0.1", True, 2)
@@ -363,7 +400,7 @@ def test_autoscaling_column(autoscaling, expected):
     bms = {"metadata": {"name": "smollm2", "namespace": "ml"}, "spec": {"autoscaling": autoscaling}}
     assert server_status(bms, deployment(1, 1), [], {}, NOW)["autoscaling"] == expected
     ref = server_ref({**bms, "spec": {"adminTokenSecretRef": {"name": "admin"}}})
-    assert ref == ServerRef("smollm2", "ml", 8080, "admin", "token")
+    assert ref == ServerRef("smollm2", "ml", 8080, "admin", "token", is_gated=True)
 
 
 # caches

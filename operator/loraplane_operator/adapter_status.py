@@ -139,6 +139,21 @@ def choose_tiers(pods: Sequence[str], want: AdapterWant) -> dict[str, str]:
     return {p: (want.tier if p in chosen else "none") for p in pods}
 
 
+def prewarm_pending(pod: str, pods: Sequence[str], wants: Sequence[AdapterWant], rows: Mapping[str, Row]) -> list[str]:
+    """The adapters placed on `pod` (ranked among `pods`, at a tier other than none) that it does not hold at
+    their tier or warmer yet: what a gated pod waits for before it joins the rotation. A failed load does not
+    hold it out (its LoRAAdapter's status says why)."""
+    pending = []
+    for want in wants:
+        tier = choose_tiers(pods, want).get(pod, "none")
+        row = rows.get(want.adapter_id)
+        if tier == "none" or (row is not None and row.get("state") == "failed"):
+            continue
+        if not reached(row, tier, exact=False):
+            pending.append(want.adapter_id)
+    return sorted(pending)
+
+
 def backoff_s(attempts: int) -> float:
     """Delay before retry number `attempts` + 1: 5, 10, 20, 40, ... seconds, capped."""
     return min(c.BACKOFF_BASE_S * 2 ** max(attempts - 1, 0), c.BACKOFF_MAX_S)

@@ -1,5 +1,5 @@
 """Async client of a server pod's adapter admin API: GET/POST /v1/adapters, POST /v1/adapters/{id}/tier,
-DELETE /v1/adapters/{id}.
+DELETE /v1/adapters/{id}, and POST /v1/prewarm/complete (the prewarm gate).
 
 Errors are typed for the operator's retry decisions: `RetryableAdminError` (connection failures, timeouts,
 404, 408, 409 adapter in use, 425, 429, 5xx) and `PermanentAdminError` (other 4xx: not allowed, invalid
@@ -131,3 +131,10 @@ class AdminClient:
         if response.status_code != 200:
             raise classify(response)
         return True
+
+    async def prewarm_complete(self) -> bool:
+        """Open the pod's prewarm gate (its /ready turns 200); False where it was open already."""
+        response = await self._call("POST", "/v1/prewarm/complete")
+        if response.status_code != 200:
+            raise classify(response)
+        return bool(response.json().get("opened"))

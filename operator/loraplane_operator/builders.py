@@ -115,9 +115,22 @@ def server_args(spec: Mapping[str, Any]) -> list[str]:
     args += ["--device", device_flag(spec)]
     args += ["--host", f"$({c.POD_IP_ENV})", "--port", str(server_port(spec))]
     args += engine_args(spec.get("engine") or {})
+    timeout = prewarm_timeout_s(spec)
+    if timeout:
+        args += ["--prewarm-timeout", str(timeout)]
     for prefix in spec.get("adapterSourceAllow") or []:
         args += ["--adapter-source-allow", str(prefix)]
     return args + [str(a) for a in spec.get("args") or []]
+
+
+def prewarm_timeout_s(spec: Mapping[str, Any]) -> int:
+    """spec.prewarmGate: how long a loaded pod may stay out of rotation while the operator prewarms its adapters
+    (0: the gate is off, a pod is Ready once its model is loaded). vLLM pods have no gate (their readiness is
+    vLLM's own)."""
+    gate = spec.get("prewarmGate") or {}
+    if is_vllm(spec) or gate.get("enabled") is False:
+        return 0
+    return int(gate.get("timeoutSeconds", c.PREWARM_TIMEOUT_S))
 
 
 def secret_env(name: str, secret: str, key: str) -> dict[str, Any]:

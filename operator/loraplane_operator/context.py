@@ -13,6 +13,7 @@ import httpx
 
 from loraplane_operator import constants as c
 from loraplane_operator.engine_client import EngineClient, engine_client
+from loraplane_operator.server_status import PodInfo
 
 Rows = dict[str, dict[str, Any]]  # adapter id -> the server's row
 
@@ -77,6 +78,11 @@ class OperatorContext:
     wakeups: dict[tuple[str, str], asyncio.Event] = field(default_factory=dict)
     pod_marks: dict[str, tuple[bool, int]] = field(default_factory=dict)  # pod uid -> (ready, restarts)
     slots: dict[str, asyncio.Semaphore] = field(default_factory=dict)  # pod url -> admin calls in flight
+    # the prewarm gate (warmer.py): pods loaded and held out of rotation while they are prewarmed (they count in
+    # placement), the task per pod uid (with the restart count it serves), and the run each uid was prewarmed for
+    warming: dict[str, PodInfo] = field(default_factory=dict)
+    warmers: dict[str, tuple[int, asyncio.Task]] = field(default_factory=dict)
+    warmed: dict[str, int] = field(default_factory=dict)
 
     def slot(self, url: str) -> asyncio.Semaphore:
         return self.slots.setdefault(url, asyncio.Semaphore(c.PREWARM_CONCURRENCY))
@@ -89,9 +95,22 @@ class OperatorContext:
         self.residency.drop(url)
         self.slots.pop(url, None)
 
+    def warming_pods(self, namespace: str, server: str) -> list[PodInfo]:
+        return [p for p in self.warming.values() if p.namespace == namespace and p.server == server]
+
+    def drop_warmer(self, uid: str) -> None:
+        """The pod is gone: stop its warmer, forget its marks."""
+        entry = self.warmers.pop(uid, None)
+        if entry is not None:
+            entry[1].cancel()
+        self.warming.pop(uid, None)
+        self.warmed.pop(uid, None)
+
     def wakeup(self, namespace: str, name: str) -> asyncio.Event:
         return self.wakeups.setdefault((namespace, name), asyncio.Event())
 
     async def close(self) -> None:
+        for _, task in self.warmers.values():
+            task.cancel()
         await self.http.aclose()
         await self.api.close()

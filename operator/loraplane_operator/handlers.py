@@ -5,8 +5,8 @@ BaseModelServer: create/update/resume apply the model cache's claim, the Deploym
 starting pods' /ready) into the status, with an Event when the model's phase changes.
 LoRAAdapter: one daemon per adapter runs reconcile rounds (now on spec changes and on a new retry annotation,
 every few seconds while loading, with backoff after failures, every ADAPTER_RESYNC_S otherwise); delete
-unloads it from every pod (the finalizer). Server pods: a pod that turns Ready or restarts gets every adapter
-of its server again.
+unloads it from every pod (the finalizer). Server pods: a gated server's starting pod is prewarmed before it
+turns Ready (warmer.py); any other pod that turns Ready or restarts gets every adapter of its server again.
 """
 
 from __future__ import annotations
@@ -19,10 +19,18 @@ import kopf
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from loraplane_operator import adapter_status as st
-from loraplane_operator import builders, kube, metrics, reconcile, router_builders, vllm_builders
+from loraplane_operator import builders, kube, metrics, reconcile, router_builders, vllm_builders, warmer
 from loraplane_operator import constants as c
 from loraplane_operator.context import OperatorContext
-from loraplane_operator.server_status import PodInfo, ServerRef, current_pods, pod_info, server_ref, server_status
+from loraplane_operator.server_status import (
+    PodInfo,
+    ServerRef,
+    current_pods,
+    is_starting,
+    pod_info,
+    server_ref,
+    server_status,
+)
 
 BMS = (c.GROUP, c.VERSION, c.BMS_PLURAL)
 LORA = (c.GROUP, c.VERSION, c.LORA_PLURAL)
@@ -288,33 +296,70 @@ async def server_pod_event(
     logger: kopf.Logger,
     servers: kopf.Index,
     adapters: kopf.Index,
+    server_pods: kopf.Index,
     **_: Any,
 ) -> None:
-    """A pod that turns Ready (new, or after a restart) gets every adapter of its server again."""
+    """A gated server's starting pod gets its warmer (warmer.py: prewarmed before it turns Ready). A pod that
+    turns Ready (new, or after a restart) without one gets every adapter of its server again."""
     ctx, info = _ctx(memo), pod_info(body)
     if info is None:
         return
-    server: ServerRef | None = _first(servers, (info.namespace, info.server))
+    key = (info.namespace, info.server)
+    server: ServerRef | None = _first(servers, key)
     previous = ctx.pod_marks.get(info.uid)
     mark = (info.is_ready, info.restarts)
     if event["type"] == "DELETED":
         ctx.pod_marks.pop(info.uid, None)
+        ctx.drop_warmer(info.uid)
     else:
         ctx.pod_marks[info.uid] = mark
+    if server is not None and server.is_gated and is_starting(info) and event["type"] != "DELETED":
+        if warmer.ensure_warmer(ctx, server, info, _warm_inputs(ctx, key, adapters, server_pods)):
+            logger.info(f"pod {info.name} starting: prewarmed before it turns Ready")
     if server is None or previous == mark or event["type"] is None:
         return  # nothing changed, or the initial listing (the adapter daemons converge on their own)
-    entries: list[tuple[str, st.AdapterWant]] = list(adapters.get((info.namespace, info.server), []))
+    entries: list[tuple[str, st.AdapterWant]] = list(adapters.get(key, []))
     restarted = previous is not None and info.restarts > previous[1]
     if info.is_ready and (restarted or previous is None or not previous[0]):
-        ctx.forget_pod(info.url(server.port))
-        try:
-            errors = await reconcile.prewarm_pod(ctx, server, info, [w for _, w in entries])
-        except (ApiException, KeyError) as exc:
-            errors = [f"cannot read the admin token: {exc}"]
-        logger.info(f"pod {info.name} ready: {len(entries)} adapters sent, {len(errors)} failed")
-        if errors:
-            kopf.warn(body, reason="PrewarmFailed", message="; ".join(errors)[:1000])
+        if ctx.warmed.get(info.uid) == info.restarts:
+            logger.info(f"pod {info.name} ready, prewarmed behind its gate")
+        else:
+            await _prewarm_ready_pod(ctx, server, info, [w for _, w in entries], body, logger)
     elif not info.is_ready and info.ip:
         ctx.forget_pod(info.url(server.port))
     for adapter_name, _want in entries:  # let their status follow the pod set now
         ctx.wakeup(info.namespace, adapter_name).set()
+
+
+async def _prewarm_ready_pod(
+    ctx: OperatorContext,
+    server: ServerRef,
+    info: PodInfo,
+    wants: list[st.AdapterWant],
+    body: kopf.Body,
+    logger: kopf.Logger,
+) -> None:
+    ctx.forget_pod(info.url(server.port))
+    try:
+        errors = await reconcile.prewarm_pod(ctx, server, info, wants)
+    except (ApiException, KeyError) as exc:
+        errors = [f"cannot read the admin token: {exc}"]
+    logger.info(f"pod {info.name} ready: {len(wants)} adapters sent, {len(errors)} failed")
+    if errors:
+        kopf.warn(body, reason="PrewarmFailed", message="; ".join(errors)[:1000])
+
+
+def _warm_inputs(
+    ctx: OperatorContext, key: tuple[str, str], adapters: kopf.Index, server_pods: kopf.Index
+) -> warmer.WarmInputs:
+    """The warmer's live views of the indexes for one server."""
+
+    def wake() -> None:
+        for adapter_name, _want in adapters.get(key, []):
+            ctx.wakeup(key[0], adapter_name).set()
+
+    return warmer.WarmInputs(
+        wants=lambda: [w for _, w in adapters.get(key, [])],
+        pods=lambda: list(server_pods.get(key, [])),
+        wake=wake,
+    )

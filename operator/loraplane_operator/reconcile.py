@@ -183,7 +183,7 @@ async def adapter_round(
     if server is None:
         message = f"BaseModelServer {spec.get('baseModelServer')!r} not found"
         return RoundOutcome(st.pending_status(message, status, generation, now), c.ADAPTER_RESYNC_S)
-    live = ready_pods(pods)
+    live = ready_pods(pods, ctx.warming_pods(server.namespace, server.name))
     if not live:
         message = f"no Ready pod of BaseModelServer {server.name!r} yet"  # pod events wake the daemon
         return RoundOutcome(st.pending_status(message, status, generation, now), c.ADAPTER_RESYNC_S)

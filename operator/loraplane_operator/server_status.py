@@ -29,6 +29,7 @@ class PodInfo:
     note: str | None = None  # why the pod is not running yet (unscheduled, waiting for a volume or an image)
     config_hash: str | None = None  # of the spec the pod was made from
     stage: str | None = None  # "fetching": its init container pulls the model; "starting": its server starts
+    is_terminating: bool = False  # deleted, its containers stopping
 
     def url(self, port: int) -> str:
         return builders.pod_url(self.ip or "", port)
@@ -60,6 +61,7 @@ def pod_info(body: Mapping[str, Any]) -> PodInfo | None:
         note=pod_note(status),
         config_hash=(meta.get("annotations") or {}).get(c.CONFIG_HASH_ANNOTATION),
         stage=pod_stage(inits, containers),
+        is_terminating=bool(meta.get("deletionTimestamp")),
     )
 
 
@@ -208,6 +210,8 @@ def _report_message(r: ModelReport) -> str:
         return f"{r.pod}: downloading, {progress_text(r.bytes_done, r.bytes_total)}"
     if r.phase in ("verifying", "converting"):
         return f"{r.pod}: {r.phase} the model files"
+    if r.phase == "ready":  # loaded, behind its prewarm gate (spec.prewarmGate)
+        return f"{r.pod}: loaded, prewarming its adapters before it takes traffic"
     return f"{r.pod}: loading the weights into memory"
 
 
@@ -314,10 +318,17 @@ def _source_status(
     return model
 
 
-def ready_pods(pods: Iterable[PodInfo]) -> list[PodInfo]:
-    """Ready pods with an IP, by name (one entry per pod name even if an index holds stale twins)."""
+def ready_pods(pods: Iterable[PodInfo], warming: Iterable[PodInfo] = ()) -> list[PodInfo]:
+    """Ready pods with an IP, by name (one entry per pod name even if an index holds stale twins), and the
+    `warming` ones: loaded, held out of rotation while the operator prewarms them (they count for placement)."""
     by_name = {p.name: p for p in pods if p.is_ready and p.ip}
+    by_name.update({p.name: p for p in warming if p.ip and p.name not in by_name})
     return [by_name[n] for n in sorted(by_name)]
+
+
+def is_starting(pod: PodInfo) -> bool:
+    """A pod whose server runs but is not Ready yet (loading, or loaded and waiting for its prewarm)."""
+    return pod.stage == "starting" and pod.ip is not None and not pod.is_ready and not pod.is_terminating
 
 
 def _deployment_condition(deployment: Mapping[str, Any], kind: str) -> Mapping[str, Any] | None:
@@ -416,6 +427,7 @@ class ServerRef:
     token_secret: str | None = None
     token_key: str = "token"
     engine: str = c.ENGINE_LORAPLANE  # spec.engine.kind: which client talks to its pods
+    is_gated: bool = False  # its pods wait, loaded, for the operator's prewarm before they turn Ready
 
 
 def server_ref(bms: Mapping[str, Any]) -> ServerRef:
@@ -428,4 +440,5 @@ def server_ref(bms: Mapping[str, Any]) -> ServerRef:
         token_secret=ref[0] if ref else None,
         token_key=ref[1] if ref else c.TOKEN_KEY,
         engine=builders.engine_kind(spec),
+        is_gated=builders.prewarm_timeout_s(spec) > 0,
     )

@@ -229,6 +229,13 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-body-bytes", type=parse_bytes, default="4MiB")
     p.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
     p.add_argument(
+        "--prewarm-timeout",
+        type=float,
+        default=0.0,
+        help="seconds a loaded server stays out of rotation (/ready 503 'prewarming') until POST /v1/prewarm/complete "
+        "says its adapters are resident (the operator sets it); 0: ready once the model is loaded",
+    )
+    p.add_argument(
         "--metrics-top-adapters",
         type=int,
         default=100,
@@ -283,6 +290,7 @@ def _server_config(a: argparse.Namespace):  # noqa: ANN202 - imported lazily: ch
         adapter_source_allow=tuple(a.adapter_source_allow),
         max_body_bytes=a.max_body_bytes,
         shutdown_grace_s=a.shutdown_grace,
+        prewarm_timeout_s=a.prewarm_timeout,
         metrics_top_adapters=a.metrics_top_adapters,
         torch_threads=a.torch_threads,
         log_level=a.log_level,

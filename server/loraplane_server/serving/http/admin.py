@@ -1,7 +1,8 @@
 """Adapter admin, and who may do what: the admin token, adapter id validation and the adapter-source allowlist.
 
 Routes: /v1/adapters and /v1/adapters/{id}/tier (ours), /v1/load_lora_adapter and /v1/unload_lora_adapter
-(vLLM's), and a debug view of the engine. Every route here needs the admin token when one is set: the rows
+(vLLM's), /v1/prewarm/complete (the operator opens the prewarm gate), and a debug view of the engine. Every route
+here needs the admin token when one is set: the rows
 carry adapter sources (bucket paths, URLs) that are not for API clients, who see adapter ids in /v1/models.
 Each admin operation runs on the engine thread: register, prewarm, set an exact tier, wait, unload, describe.
 """
@@ -20,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from loraplane_server.errors import AdapterInUseError, EngineError, UnknownAdapterError
 from loraplane_server.serving.http.errors import ApiError, api_error
-from loraplane_server.serving.http.state import ServerState, get_state
+from loraplane_server.serving.http.state import Phase, ServerState, get_state
 from loraplane_server.store.sources import AdapterSource, AdapterSourceError, is_allowed, parse_source
 
 # security
@@ -294,6 +295,19 @@ async def unload_lora_adapter(body: UnloadLoraAdapterRequest, request: Request) 
     name = check_adapter_id(body.lora_name, "lora_name")
     await unload(get_state(request), name)
     return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
+
+
+@router.post("/v1/prewarm/complete", dependencies=admin)
+async def prewarm_complete(request: Request) -> dict:
+    """The operator's word that the adapters placed on this pod are resident: /ready turns 200 (the pod joins
+    the Service and the router). Idempotent: `opened` is False where the gate was already open (by the timeout,
+    or --prewarm-timeout 0). 409 while the model loads or the server drains."""
+    life = get_state(request).lifecycle
+    if life.phase in (Phase.LOADING, Phase.DRAINING, Phase.FAILED):
+        message = f"the server is {life.phase.value}; the prewarm gate opens once it is loaded"
+        raise ApiError(409, message, code="not_loaded")
+    opened = life.open_gate("operator")
+    return {"status": life.phase.value, "opened": opened, "outcome": life.prewarm_outcome}
 
 
 @router.get("/v1/debug/engine", dependencies=admin)

@@ -161,7 +161,7 @@ class GracefulServer(uvicorn.Server):
         self.grace_s = grace_s
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if self.lifecycle.phase != Phase.READY:
+        if self.lifecycle.phase not in (Phase.READY, Phase.PREWARMING):
             self.should_exit = True  # a second signal, or nothing to drain (loading, failed)
             return
         log.info(

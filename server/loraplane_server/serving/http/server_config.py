@@ -51,6 +51,8 @@ class ServerConfig:
     adapter_source_allow: tuple[str, ...] = ()  # empty: ("hf://",); --adapter-dir is always allowed
     max_body_bytes: int = 4 << 20
     shutdown_grace_s: float = 30.0
+    # > 0: once loaded, /ready says 503 "prewarming" until POST /v1/prewarm/complete or this many seconds pass
+    prewarm_timeout_s: float = 0.0
     metrics_top_adapters: int = 100  # adapters with their own usage label; the rest are "__other__"
     max_choices: int = 16  # OpenAI n * number of prompts
     torch_threads: int = 0  # intra-op threads for the engine; 0: torch_threads.DEFAULT_THREADS (cgroup-capped)
@@ -66,6 +68,8 @@ class ServerConfig:
             raise ValueError("torch_threads must be >= 0")
         if self.shutdown_grace_s < 0:
             raise ValueError("shutdown_grace_s must be >= 0")
+        if not 0 <= self.prewarm_timeout_s <= 86400:
+            raise ValueError("prewarm_timeout_s must be between 0 (no gate) and 86400")
         if self.admin_token is not None and len(self.admin_token) < 8:
             raise ValueError("the admin token must be at least 8 characters")
 

@@ -34,6 +34,7 @@ FAILED_LINGER_S = 2.0
 
 class Phase(str, enum.Enum):
     LOADING = "loading"
+    PREWARMING = "prewarming"  # loaded, out of rotation until the operator's prewarm is done (--prewarm-timeout)
     READY = "ready"
     DRAINING = "draining"
     FAILED = "failed"
@@ -41,11 +42,19 @@ class Phase(str, enum.Enum):
 
 class Lifecycle:
     """The phase and the requests in flight. Admission control too: a generation request is admitted only while
-    the server is ready, not draining, and fewer than `max_queue` requests wait for their first token.
-    Event-loop only."""
+    the model is loaded (ready, or prewarming), not draining, and fewer than `max_queue` requests wait for their
+    first token. Event-loop only.
 
-    def __init__(self, max_queue: int) -> None:
+    With a prewarm gate (`prewarm_timeout_s` > 0) a loaded server is PREWARMING, not READY: /ready says 503 so
+    that Kubernetes keeps the pod out of the Service and the router, while the operator prewarms the adapters
+    placed on it; the operator then opens the gate (`open_gate`), or the server opens it itself after the
+    timeout, so that an adapter that never loads cannot hold the pod out."""
+
+    def __init__(self, max_queue: int, prewarm_timeout_s: float = 0.0) -> None:
         self.max_queue = max_queue
+        self.prewarm_timeout_s = prewarm_timeout_s
+        self.prewarm_since: float | None = None
+        self.prewarm_outcome: str | None = None  # how the gate opened: "operator" or "timeout"
         self.phase = Phase.LOADING
         self.error: str | None = None
         self.failed_at: float | None = None
@@ -62,7 +71,8 @@ class Lifecycle:
         self.step, self.step_since = step, time.monotonic()
 
     def progress(self) -> dict[str, object]:
-        """/ready's body: the phase and, while loading, the start-up step and how long it has run."""
+        """/ready's body: the phase; while loading, the start-up step and how long it has run; while prewarming,
+        for how long and the timeout; once a gate opened, who opened it."""
         body: dict[str, object] = {"status": self.phase.value}
         if self.phase == Phase.LOADING:
             now = time.monotonic()
@@ -71,8 +81,15 @@ class Lifecycle:
                 step_seconds=round(now - self.step_since, 1),
                 loading_seconds=round(now - self.started_at, 1),
             )
+        elif self.phase == Phase.PREWARMING and self.prewarm_since is not None:
+            body.update(
+                prewarm_seconds=round(time.monotonic() - self.prewarm_since, 1),
+                prewarm_timeout_seconds=self.prewarm_timeout_s,
+            )
         elif self.phase == Phase.FAILED:
             body["error"] = self.error
+        if self.prewarm_outcome is not None:  # ready behind a gate: who opened it (operator, or the timeout)
+            body["prewarm"] = self.prewarm_outcome
         return body
 
     @property
@@ -83,6 +100,7 @@ class Lifecycle:
         """Count one more generation request in, or raise Rejected."""
         if self.phase == Phase.LOADING:
             raise Rejected(503, "loading", "the model is still loading; retry shortly")
+        # PREWARMING admits: the model is loaded, and the gate only keeps the pod out of rotation
         if self.phase == Phase.DRAINING:
             raise Rejected(503, "draining", "the server is shutting down; send this request to another replica")
         if self.phase == Phase.FAILED:
@@ -104,8 +122,20 @@ class Lifecycle:
         self.num_inflight -= 1
 
     def mark_ready(self) -> None:
-        if self.phase == Phase.LOADING:
+        """The model is loaded: READY, or PREWARMING behind the gate."""
+        if self.phase != Phase.LOADING:
+            return
+        if self.prewarm_timeout_s > 0:
+            self.phase, self.prewarm_since = Phase.PREWARMING, time.monotonic()
+        else:
             self.phase = Phase.READY
+
+    def open_gate(self, outcome: str) -> bool:
+        """PREWARMING -> READY (the operator's word, or the timeout); False in any other phase."""
+        if self.phase != Phase.PREWARMING:
+            return False
+        self.phase, self.prewarm_outcome = Phase.READY, outcome
+        return True
 
     def mark_failed(self, error: str) -> None:
         self.phase, self.error, self.failed_at = Phase.FAILED, error, time.monotonic()
@@ -129,7 +159,7 @@ class Lifecycle:
 class ServerState:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
-        self.lifecycle = Lifecycle(config.max_queue)
+        self.lifecycle = Lifecycle(config.max_queue, config.prewarm_timeout_s)
         self.metrics = Metrics(config.model_name, config.metrics_top_adapters)
         self.engine: LLMEngine | None = None
         self.front: AsyncEngine | None = None
@@ -169,6 +199,8 @@ class ServerState:
         if self.draft_progress is not None:
             self.draft_progress.set_phase("ready")
         self.lifecycle.mark_ready()
+        if self.lifecycle.phase == Phase.PREWARMING:
+            asyncio.get_running_loop().call_later(self.config.prewarm_timeout_s, self._prewarm_timed_out)
         log.info(
             "loraplane: %s ready (%s, %d KV blocks, %d adapters known)",
             self.config.model_name,
@@ -176,6 +208,13 @@ class ServerState:
             engine.inputs.blocks.num_blocks,
             engine.adapters.num_known,
         )
+
+    def _prewarm_timed_out(self) -> None:
+        if self.lifecycle.open_gate("timeout"):
+            log.warning(
+                "loraplane: no word that the prewarm is done in %.0fs (--prewarm-timeout); serving anyway",
+                self.config.prewarm_timeout_s,
+            )
 
     def _fail(self, reason: str) -> None:
         reason = scrub_secrets(" ".join(reason.split()))  # one line: it ends the server's stderr
