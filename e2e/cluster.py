@@ -1,5 +1,6 @@
-"""A real Kubernetes control plane on loopback: etcd, kube-apiserver (RBAC on, API aggregation configured),
-kube-controller-manager (HPA included, on a short sync period)."""
+"""A real Kubernetes control plane on loopback: etcd, kube-apiserver (RBAC on, API aggregation configured, an
+audit log of the requests of every ServiceAccount outside kube-system), kube-controller-manager (HPA included,
+on a short sync period)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,18 @@ CONTROLLERS = "*,-node-ipam-controller,-cloud-node-lifecycle-controller,-node-ro
 HPA_SYNC_PERIOD = "5s"  # the default 15s makes autoscaling tests slow
 # the kube-aggregator authenticates to extension API servers with this client cert (front-proxy CA)
 FRONT_PROXY_CLIENT = "front-proxy-client"
+# who did what, for the least-privilege check (e2e/test_rbac_audit.py): one line per request of a ServiceAccount
+# outside kube-system (the operator's, the routers'), none for the control plane's own controllers or the nodes
+AUDIT_POLICY = """apiVersion: audit.k8s.io/v1
+kind: Policy
+omitStages: [RequestReceived, ResponseStarted]
+rules:
+  - level: None
+    userGroups: ["system:serviceaccounts:kube-system"]
+  - level: Metadata
+    userGroups: ["system:serviceaccounts"]
+  - level: None
+"""
 
 
 def free_port() -> int:
@@ -56,6 +69,7 @@ class LocalCluster:
         # A CA of its own: any cert it signs may assert a user in X-Remote-User headers.
         self.front_proxy_pki = Pki(self.dir / "front-proxy-pki", ca_name="loraplane-e2e-front-proxy-ca")
         self.kubeconfig = self.dir / "admin.kubeconfig"
+        self.audit_log = self.dir / "audit.log"  # JSON lines (AUDIT_POLICY)
         self.api: ApiClient | None = None
         self.kubelet_root: Path | None = None
         self.node_name: str | None = None
@@ -162,6 +176,10 @@ class LocalCluster:
         argv += ["--service-account-signing-key-file", str(sa_key), "--service-cluster-ip-range", SERVICE_CIDR]
         # A loopback address may not be an Endpoints address, so the `kubernetes` Service gets none.
         argv += ["--endpoint-reconciler-type", "none", "--allow-privileged=true", "--profiling=false", "-v", "1"]
+        policy = self.dir / "audit-policy.yaml"
+        policy.write_text(AUDIT_POLICY)
+        argv += ["--audit-policy-file", str(policy), "--audit-log-path", str(self.audit_log)]
+        argv += ["--audit-log-format", "json", "--audit-log-mode", "blocking", "--audit-log-maxsize", "0"]
         argv += self._aggregator_flags()
         self._spawn("kube-apiserver", argv)
         self._wait("kube-apiserver /readyz", "kube-apiserver", lambda: self._admin().get_raw("/readyz") == "ok")

@@ -25,6 +25,13 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "e2e: needs the local Kubernetes control plane (e2e/)")
 
 
+LAST_MODULES = ("test_rbac_audit",)  # reads the audit log of everything before it
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    items.sort(key=lambda item: Path(str(item.fspath)).stem in LAST_MODULES)  # stable: the rest keep their order
+
+
 def _bin_dir() -> Path:
     out = subprocess.run(["bash", str(BUILD_SCRIPT), "--print-bin"], capture_output=True, text=True, check=True)
     return Path(out.stdout.strip())

@@ -20,7 +20,7 @@ import yaml
 from e2e.cluster import REPO_ROOT, LocalCluster
 from e2e.kubectl import Kubectl, KubectlError
 from e2e.process import spawn, stop
-from loraplane_operator.constants import ADMIN_TOKEN_ENV
+from loraplane_operator.constants import ADMIN_TOKEN_ENV, DEFAULT_ADMIN_PORT
 
 CRD_DIR = REPO_ROOT / "crds"
 SAMPLES_DIR = CRD_DIR / "samples"
@@ -251,6 +251,9 @@ def _session() -> requests.Session:
     return session
 
 
+ADMIN_PORT = DEFAULT_ADMIN_PORT  # the server pods' admin routes (--admin-port): /v1/adapters answers only there
+
+
 def pod_url(pod: dict[str, Any], port: int = 8080) -> str:
     return f"http://{pod['status']['podIP']}:{port}"
 
@@ -266,7 +269,7 @@ def admin_headers(pod: dict[str, Any]) -> dict[str, str]:
 
 def list_adapters(pod: dict[str, Any]) -> list[dict[str, Any]]:
     with _session() as session:
-        response = session.get(f"{pod_url(pod)}/v1/adapters", headers=admin_headers(pod), timeout=10)
+        response = session.get(f"{pod_url(pod, ADMIN_PORT)}/v1/adapters", headers=admin_headers(pod), timeout=10)
     response.raise_for_status()
     return list(response.json()["data"])
 

@@ -248,6 +248,16 @@ def test_a_install_operator_pod_server_and_adapters_ready(env: Env) -> None:
     bms = env.get("bms", SERVER)
     assert FINALIZER in bms["metadata"]["finalizers"]
     assert env.get("deployment", SERVER)["metadata"]["ownerReferences"][0]["uid"] == bms["metadata"]["uid"]
+    # the operator runs in a pod, so it names itself in the servers' NetworkPolicy: the admin port is its and the
+    # router's (the API server validated the policy; the process kubelet's loopback network does not enforce it)
+    policy = env.get("networkpolicy", SERVER)
+    assert policy["metadata"]["ownerReferences"][0]["uid"] == bms["metadata"]["uid"]
+    api_rule, admin_rule = policy["spec"]["ingress"]
+    assert api_rule["ports"] == [{"port": "http", "protocol": "TCP"}] and "from" not in api_rule
+    assert admin_rule["ports"] == [{"port": "admin", "protocol": "TCP"}]
+    operator_peer = admin_rule["from"][1]
+    assert operator_peer["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": NAMESPACE}
+    assert operator_peer["podSelector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
     # the operator's liveness endpoint answers on its pod address, and the kubelet's probe has not restarted it
     running = operator_pod(env)
     assert running is not None and running["status"]["containerStatuses"][0]["restartCount"] == 0
@@ -395,7 +405,7 @@ def test_d_uninstall_leaves_only_the_crds(env: Env) -> None:
     assert done[0].index("loraadapters gone") < done[0].index("deleting 1 basemodelservers"), done[0]
 
     def left_in_namespace() -> list[str]:
-        kinds = "all,sa,cm,secret,role,rolebinding,job,hpa,lora,bms,endpoints,endpointslices"
+        kinds = "all,sa,cm,secret,role,rolebinding,job,hpa,lora,bms,endpoints,endpointslices,networkpolicy,pdb"
         return sorted(f"{i['kind']}/{i['metadata']['name']}" for i in env.get(kinds)["items"])
 
     # what every namespace has; the pods (operator, server, hook) go last, after their grace periods

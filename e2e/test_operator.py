@@ -23,6 +23,7 @@ from e2e.cluster import LocalCluster
 from e2e.kubectl import Kubectl, KubectlError, wait_until
 from e2e.operator_fixtures import (
     ADAPTER_NAMES,
+    ADMIN_PORT,
     FINALIZER,
     SERVER_LABEL,
     OperatorProcess,
@@ -40,6 +41,7 @@ from e2e.operator_fixtures import (
     local_server_sample,
     pid_of,
     pod_security_verdict,
+    pod_url,
     rbac_rules_from_yaml,
     ready_server_pods,
     reference_greedy,
@@ -325,13 +327,15 @@ def test_b2_admin_api_is_closed_without_a_token_ref(env: Env) -> None:
     body = {"id": "anonymous", "source": str(env.adapters_dir / "french")}
     with requests.Session() as session:
         session.trust_env = False
-        url = f"http://{pod['status']['podIP']}:8080"
-        assert session.post(f"{url}/v1/adapters", json=body, timeout=10).status_code == 401
-        assert session.get(f"{url}/v1/adapters", timeout=10).status_code == 401
+        url, admin = pod_url(pod), pod_url(pod, ADMIN_PORT)
+        assert session.post(f"{admin}/v1/adapters", json=body, timeout=10).status_code == 401
+        assert session.get(f"{admin}/v1/adapters", timeout=10).status_code == 401
+        on_api_port = session.get(f"{url}/v1/adapters", headers={"Authorization": f"Bearer {token}"}, timeout=10)
+        assert on_api_port.status_code == 404 and "admin port" in on_api_port.text  # not on the API's port
         french = str(env.adapters_dir / "french")  # an allowed source: only the missing token refuses it
         lorax = {"inputs": "Hi", "parameters": {"adapter_id": french, "adapter_source": "local", "max_new_tokens": 1}}
         assert session.post(f"{url}/generate", json=lorax, timeout=30).status_code in (401, 403)
-        listed = session.get(f"{url}/v1/adapters", headers={"Authorization": f"Bearer {token}"}, timeout=10)
+        listed = session.get(f"{admin}/v1/adapters", headers={"Authorization": f"Bearer {token}"}, timeout=10)
     assert listed.status_code == 200 and "anonymous" not in {row["id"] for row in listed.json()["data"]}
     applied = env.bms()
     assert env.get("secret", f"{SERVER}-admin-token")["data"] == secret["data"]  # reconciles keep the token

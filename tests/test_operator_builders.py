@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from loraplane_operator import builders, rbac, router_builders, vllm_builders
+from loraplane_operator import builders, network_builders, rbac, router_builders, vllm_builders
 from loraplane_operator import constants as c
 from loraplane_operator.server_status import server_ref
 
@@ -46,6 +46,7 @@ def test_deployment_defaults():
     assert ctr["command"] == ["loraplane", "serve"]
     assert ctr["args"] == [
         *("--model", "smollm2-135m", "--device", "cuda", "--host", "$(POD_IP)", "--port", "8080"),
+        *("--admin-port", "8081"),  # the admin routes apart, where the NetworkPolicy lets few in
         *("--prewarm-timeout", "120"),  # no cold pod in rotation: Ready once prewarmed, 120 s at most
     ]
     assert ctr["env"] == [
@@ -55,7 +56,10 @@ def test_deployment_defaults():
             "valueFrom": {"secretKeyRef": {"name": "smollm2-admin-token", "key": "token"}},
         },
     ]  # no adminTokenSecretRef: the operator's generated token, never an open admin API
-    assert ctr["ports"] == [{"name": "http", "containerPort": 8080, "protocol": "TCP"}]
+    assert ctr["ports"] == [
+        {"name": "http", "containerPort": 8080, "protocol": "TCP"},
+        {"name": "admin", "containerPort": 8081, "protocol": "TCP"},
+    ]
     assert ctr["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
     assert ctr["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
     assert ctr["resources"] == {"limits": {"nvidia.com/gpu": 1}}
@@ -279,6 +283,11 @@ def test_builders_do_not_mutate_their_input():
 
 def test_rbac_rules_yaml_matches_the_constant():
     path = ROOT / "operator" / "loraplane_operator" / "rbac_rules.yaml"
+    assert path.read_text() == rbac.render_yaml() and rbac.main(["--check"]) == 0  # generated from RULES
+    expanded = {
+        (g, r, v) for rule in rbac.RULES for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]
+    }
+    assert set(rbac.NOT_EXERCISED) <= expanded and all(rbac.NOT_EXERCISED.values())  # each a right, with a reason
     assert yaml.safe_load(path.read_text()) == rbac.RULES
     role = rbac.cluster_role()
     assert role["kind"] == "ClusterRole" and role["rules"] == rbac.RULES
@@ -476,6 +485,36 @@ def test_prewarm_gate_becomes_the_servers_timeout_and_vllm_has_none():
     vllm = bms(engine={"kind": "vllm"}, resources={"gpus": 1})
     assert not server_ref(vllm).is_gated and builders.prewarm_timeout_s(vllm["spec"]) == 0
     assert "--prewarm-timeout" not in str(vllm_builders.get_workload(vllm, None))
+
+
+def test_network_policy_opens_the_admin_port_to_the_router_and_the_operator_only():
+    peer = network_builders.Peer("loraplane-system", {"app.kubernetes.io/name": "loraplane", "x": "y"})
+    policy = network_builders.get_network_policy(bms(adminPort=9090), peer)
+    assert policy is not None and (policy["apiVersion"], policy["kind"]) == ("networking.k8s.io/v1", "NetworkPolicy")
+    assert policy["metadata"]["name"] == "smollm2" and policy["metadata"]["namespace"] == "ml"
+    spec = policy["spec"]
+    assert spec["podSelector"] == {"matchLabels": builders.selector_labels("smollm2")} and spec["policyTypes"] == [
+        "Ingress"
+    ]
+    api, admin = spec["ingress"]
+    assert api == {"ports": [{"port": "http", "protocol": "TCP"}]}  # clients, probes and Prometheus: from anywhere
+    assert admin["ports"] == [{"port": "admin", "protocol": "TCP"}]
+    router, operator = admin["from"]
+    assert router == {"podSelector": {"matchLabels": router_builders.router_selector_labels("smollm2")}}
+    assert operator == {
+        "podSelector": {"matchLabels": {"app.kubernetes.io/name": "loraplane", "x": "y"}},
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "loraplane-system"}},
+    }
+    dep = builders.get_deployment(bms(adminPort=9090))
+    assert {"name": "admin", "containerPort": 9090, "protocol": "TCP"} in container(dep)["ports"]
+    assert "9090" in container(dep)["args"] and server_ref(bms(adminPort=9090)).call_port == 9090
+    assert network_builders.get_network_policy(bms(networkPolicy={"enabled": False}), peer) is None
+    assert network_builders.get_network_policy(bms(), None) is None  # an operator outside the cluster
+    vllm = bms(engine={"kind": "vllm"}, resources={"gpus": 1})
+    assert network_builders.get_network_policy(vllm, peer) is None and server_ref(vllm).call_port == 8080
+    assert network_builders.parse_labels(" a=b, c=d ,") == {"a": "b", "c": "d"}
+    with pytest.raises(ValueError, match="key=value"):
+        network_builders.parse_labels("a=b,oops")
 
 
 def test_created_claim():

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from test_http_support import REPO, ServerProcess
+from test_http_support import REPO, ServerProcess, free_port
 
 from loraplane_operator import adapter_status as st
 from loraplane_operator import reconcile, warmer
@@ -24,13 +24,12 @@ from loraplane_server.serving.router.ranking import rank
 
 ADAPTERS = REPO / "server" / "examples" / "adapters"
 POD, OTHER = "smollm2-new", "smollm2-old"  # a Ready pod of the same server, for the ranking (never called)
+ADMIN_PORT = free_port()
 
 
-def start(tmp: Path, name: str, timeout_s: float) -> ServerProcess:
-    proc = ServerProcess(
-        ["--prewarm-timeout", str(timeout_s), "--max-loras", "4", "--adapter-source-allow", str(ADAPTERS)],
-        tmp / f"{name}.log",
-    )
+def start(tmp: Path, name: str, timeout_s: float, *flags: str) -> ServerProcess:
+    args = ["--prewarm-timeout", str(timeout_s), "--max-loras", "4", "--adapter-source-allow", str(ADAPTERS)]
+    proc = ServerProcess([*args, *flags], tmp / f"{name}.log")
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:  # loaded: /ready 503 "prewarming" (or 200 once a short gate opened)
         assert proc.proc.poll() is None, proc.log()
@@ -46,7 +45,7 @@ def start(tmp: Path, name: str, timeout_s: float) -> ServerProcess:
 
 @pytest.fixture(scope="module")
 def gated(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    proc = start(tmp_path_factory.mktemp("warmer"), "gated", 600)
+    proc = start(tmp_path_factory.mktemp("warmer"), "gated", 600, "--admin-port", str(ADMIN_PORT))
     try:
         yield proc
     finally:
@@ -72,7 +71,7 @@ def test_the_warmer_opens_the_gate_only_once_the_adapters_placed_here_are_reside
     assert httpx.post(f"{gated.url}/v1/completions", json=body, timeout=120).status_code == 200  # served meanwhile
 
     wants, mine, elsewhere = wants_split()
-    server = ServerRef("smollm2", "ml", gated.port, is_gated=True)
+    server = ServerRef("smollm2", "ml", gated.port, is_gated=True, admin_port=ADMIN_PORT)
     pod = PodInfo(POD, "ml", "smollm2", "uid-new", "127.0.0.1", False, 0, stage="starting")
     other = PodInfo(OTHER, "ml", "smollm2", "uid-old", "127.0.0.2", True, 0)
     seen: dict[str, object] = {}
@@ -103,14 +102,32 @@ def test_the_warmer_opens_the_gate_only_once_the_adapters_placed_here_are_reside
     assert asyncio.run(go()) == "opened"
     assert seen["warming"] == [POD] and seen["warming_after"] == {} and seen["warmed"] == {"uid-new": 0}
     assert seen["again"] == "ready"
+    admin_url = f"http://127.0.0.1:{ADMIN_PORT}"
     ready = httpx.get(f"{gated.url}/ready", timeout=5)
     assert ready.status_code == 200 and ready.json() == {**ready.json(), "status": "ready", "prewarm": "operator"}
-    rows = {r["id"]: r for r in httpx.get(f"{gated.url}/v1/adapters", timeout=30).json()["data"]}
+    rows = {r["id"]: r for r in httpx.get(f"{admin_url}/v1/adapters", timeout=30).json()["data"]}
     in_memory = {a for a, r in rows.items() if r["tier"] in ("device", "host") and r["state"] != "loading"}
     assert {"french", *mine} <= in_memory, rows  # every adapter placed here, before the pod took traffic
     assert not (elsewhere & in_memory) and elsewhere <= set(rows)  # the others registered only, loaded on demand
-    again = httpx.post(f"{gated.url}/v1/prewarm/complete", timeout=5).json()
+    again = httpx.post(f"{admin_url}/v1/prewarm/complete", timeout=5).json()
     assert again == {"status": "ready", "opened": False, "outcome": "operator"}  # idempotent
+
+
+def test_the_admin_routes_answer_on_the_admin_port_alone(gated: ServerProcess) -> None:
+    admin_url = f"http://127.0.0.1:{ADMIN_PORT}"
+    on_api = httpx.get(f"{gated.url}/v1/adapters", timeout=10)
+    assert on_api.status_code == 404 and on_api.json()["error"]["code"] == "wrong_port", on_api.text
+    assert f"admin port ({ADMIN_PORT})" in on_api.json()["error"]["message"]
+    assert httpx.post(f"{gated.url}/v1/prewarm/complete", timeout=10).status_code == 404
+    assert httpx.get(f"{admin_url}/v1/adapters", timeout=10).status_code == 200
+    assert httpx.get(f"{admin_url}/v1/debug/engine", timeout=10).status_code == 200
+    body = {"model": "smollm2-135m", "prompt": "Hello", "max_tokens": 1}
+    refused = httpx.post(f"{admin_url}/v1/completions", json=body, timeout=10)
+    assert refused.status_code == 404 and "API port" in refused.json()["error"]["message"]
+    assert httpx.post(f"{gated.url}/v1/completions", json=body, timeout=120).status_code == 200
+    for probe in ("/health", "/metrics"):  # probes on both
+        assert httpx.get(gated.url + probe, timeout=10).status_code == 200
+        assert httpx.get(admin_url + probe, timeout=10).status_code == 200
 
 
 def test_a_server_that_hears_nothing_opens_its_gate_at_the_timeout(tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ from prometheus_client import generate_latest
 from loraplane_server.serving.router.app import Router, RouterConfig, adapter_of, tier_name
 from loraplane_server.serving.router.choice import PodView, Spill, choose, load_bound
 from loraplane_server.serving.router.metrics import OTHER, POD_SERIES_TTL_S, AdapterCount, AdapterCounts, RouterMetrics
-from loraplane_server.serving.router.pool import _load, static_targets
+from loraplane_server.serving.router.pool import _load, static_targets, with_port
 from loraplane_server.serving.router.ranking import rank
 
 NAMES = ["pod-a", "pod-b", "pod-c", "pod-d"]
@@ -145,6 +145,14 @@ def test_config_and_targets_refuse_what_cannot_work() -> None:
     ]
     with pytest.raises(ValueError, match="one name"):
         static_targets(["a=http://127.0.0.1:1", "a=http://127.0.0.1:2"])
+    (plain,) = static_targets(["pod-a=http://127.0.0.1:8001"])
+    assert plain.rows_url == "http://127.0.0.1:8001"  # residency beside the API without --pod-admin-port
+    (split,) = static_targets(["pod-a=http://127.0.0.1:8001"], admin_port=9001)
+    assert (split.url, split.rows_url) == ("http://127.0.0.1:8001", "http://127.0.0.1:9001")
+    assert (
+        with_port("http://10.0.0.7:8080", 8081) == "http://10.0.0.7:8081"
+        and with_port("http://a:1", None) == "http://a:1"
+    )
 
 
 def test_adapter_series_are_bounded_and_only_grow() -> None:

@@ -114,6 +114,7 @@ def server_args(spec: Mapping[str, Any]) -> list[str]:
         args += ["--model-cache", cache_mount_path(spec)]
     args += ["--device", device_flag(spec)]
     args += ["--host", f"$({c.POD_IP_ENV})", "--port", str(server_port(spec))]
+    args += ["--admin-port", str(admin_port(spec))]
     args += engine_args(spec.get("engine") or {})
     timeout = prewarm_timeout_s(spec)
     if timeout:
@@ -121,6 +122,15 @@ def server_args(spec: Mapping[str, Any]) -> list[str]:
     for prefix in spec.get("adapterSourceAllow") or []:
         args += ["--adapter-source-allow", str(prefix)]
     return args + [str(a) for a in spec.get("args") or []]
+
+
+def admin_port(spec: Mapping[str, Any]) -> int:
+    """Where the server pods serve the admin routes (--admin-port, spec.adminPort): apart from the API's port,
+    so that the NetworkPolicy can open it to the operator and the router only. A vLLM pod's LoRA routes share
+    its API port (guarded by its --api-key)."""
+    if is_vllm(spec):
+        return server_port(spec)
+    return int(spec.get("adminPort") or c.DEFAULT_ADMIN_PORT)
 
 
 def prewarm_timeout_s(spec: Mapping[str, Any]) -> int:
@@ -282,7 +292,10 @@ def get_container(name: str, spec: Mapping[str, Any]) -> dict[str, Any]:
         "command": list(spec.get("command") or c.DEFAULT_COMMAND),
         "args": server_args(spec),
         "env": _env(name, spec),
-        "ports": [{"name": c.PORT_NAME, "containerPort": server_port(spec), "protocol": "TCP"}],
+        "ports": [
+            {"name": c.PORT_NAME, "containerPort": server_port(spec), "protocol": "TCP"},
+            {"name": c.ADMIN_PORT_NAME, "containerPort": admin_port(spec), "protocol": "TCP"},
+        ],
         "readinessProbe": _probe("/ready", 5, 3),
         "livenessProbe": _probe("/health", 10, 6),
         # a start-up failure's last log line becomes the terminated state's message, read into status.model

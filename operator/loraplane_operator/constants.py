@@ -39,6 +39,8 @@ FIELD_MANAGER = "loraplane-operator"
 # the server container
 CONTAINER_NAME = "server"
 PORT_NAME = "http"
+ADMIN_PORT_NAME = "admin"  # the admin routes' own port (--admin-port), which the NetworkPolicy opens to few
+DEFAULT_ADMIN_PORT = 8081
 DEFAULT_COMMAND = ("loraplane", "serve")
 ADMIN_TOKEN_ENV = "LORAPLANE_ADMIN_TOKEN"
 TOKEN_KEY = "token"  # the admin token's key in its Secret (adminTokenSecretRef.key's default)

@@ -13,6 +13,7 @@ import httpx
 
 from loraplane_operator import constants as c
 from loraplane_operator.engine_client import EngineClient, engine_client
+from loraplane_operator.network_builders import Peer
 from loraplane_operator.server_status import PodInfo
 
 Rows = dict[str, dict[str, Any]]  # adapter id -> the server's row
@@ -73,6 +74,7 @@ class OperatorContext:
 
     api: Any  # kubernetes_asyncio.client.ApiClient
     http: httpx.AsyncClient
+    peer: Peer | None = None  # the operator's own pods, for the servers' NetworkPolicy (None: not in a pod)
     residency: ResidencyCache = field(default_factory=ResidencyCache)
     tokens: TokenCache = field(default_factory=TokenCache)
     wakeups: dict[tuple[str, str], asyncio.Event] = field(default_factory=dict)

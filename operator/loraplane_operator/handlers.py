@@ -19,7 +19,16 @@ import kopf
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from loraplane_operator import adapter_status as st
-from loraplane_operator import builders, kube, metrics, reconcile, router_builders, vllm_builders, warmer
+from loraplane_operator import (
+    builders,
+    kube,
+    metrics,
+    network_builders,
+    reconcile,
+    router_builders,
+    vllm_builders,
+    warmer,
+)
 from loraplane_operator import constants as c
 from loraplane_operator.context import OperatorContext
 from loraplane_operator.server_status import (
@@ -95,7 +104,7 @@ async def apply_server(
     **_: Any,
 ) -> None:
     """Model cache claim (if created) + Deployment + Service (+ HPA or ScaledObject) (+ PodDisruptionBudget)
-    (+ the router), owned by the BaseModelServer, applied idempotently."""
+    (+ NetworkPolicy) (+ the router), owned by the BaseModelServer, applied idempotently."""
     ctx, namespace = _ctx(memo), namespace or ""
     with metrics.reconcile(c.BMS_KIND):
         objs = await _apply_server(ctx, body, name, namespace, spec)
@@ -114,6 +123,8 @@ async def _apply_server(
         objs = [o for o in (builders.get_model_cache_claim(body), builders.get_admin_token_secret(body)) if o]
         objs += [vllm_builders.get_workload(body, live), builders.get_service(body)]
         objs += [o for o in (builders.get_autoscaler(body), builders.get_disruption_budget(body)) if o is not None]
+        policy = network_builders.get_network_policy(body, ctx.peer)
+        objs += [policy] if policy is not None else []
         objs += router_builders.get_router_objects(body)
         kopf.adopt(objs, owner=body)
         await reconcile.apply_children(ctx, objs, namespace, name)
@@ -326,7 +337,7 @@ async def server_pod_event(
         else:
             await _prewarm_ready_pod(ctx, server, info, [w for _, w in entries], body, logger)
     elif not info.is_ready and info.ip:
-        ctx.forget_pod(info.url(server.port))
+        ctx.forget_pod(info.url(server.call_port))
     for adapter_name, _want in entries:  # let their status follow the pod set now
         ctx.wakeup(info.namespace, adapter_name).set()
 
@@ -339,7 +350,7 @@ async def _prewarm_ready_pod(
     body: kopf.Body,
     logger: kopf.Logger,
 ) -> None:
-    ctx.forget_pod(info.url(server.port))
+    ctx.forget_pod(info.url(server.call_port))
     try:
         errors = await reconcile.prewarm_pod(ctx, server, info, wants)
     except (ApiException, KeyError) as exc:

@@ -21,6 +21,7 @@ PLURALS = {
     "ScaledObject": c.KEDA_PLURAL,
     "LeaderWorkerSet": "leaderworkersets",
     "PodDisruptionBudget": "poddisruptionbudgets",
+    "NetworkPolicy": "networkpolicies",
     "Secret": "secrets",
     "ServiceAccount": "serviceaccounts",
     "Role": "roles",

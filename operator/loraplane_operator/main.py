@@ -23,6 +23,7 @@ from loraplane_operator import constants as c
 from loraplane_operator import handlers, kube, metrics
 from loraplane_operator.admin_client import make_http_client
 from loraplane_operator.context import OperatorContext
+from loraplane_operator.network_builders import Peer
 
 __all__ = ["run_operator", "handlers"]
 
@@ -39,7 +40,13 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     settings.networking.request_timeout = 60.0
     settings.watching.server_timeout = 300
     settings.batching.error_delays = [1, 2, 5, 10, 30, 60]
-    memo["ctx"] = OperatorContext(api=await kube.make_api_client(), http=make_http_client())
+    peer = memo.get("peer")
+    if peer is None:
+        logging.getLogger(__name__).warning(
+            "the operator's own pods are unknown (--pod-namespace, --pod-labels): no NetworkPolicy guards the "
+            "servers' admin port (one would shut this operator out)"
+        )
+    memo["ctx"] = OperatorContext(api=await kube.make_api_client(), http=make_http_client(), peer=peer)
 
 
 @kopf.on.cleanup()
@@ -58,6 +65,7 @@ def run_operator(
     metrics_address: str = "0.0.0.0",
     leader_election: str | None = None,
     identity: str | None = None,
+    peer: Peer | None = None,
 ) -> None:
     """Run the operator until SIGTERM/SIGINT: watch one namespace, or the whole cluster when None.
 
@@ -66,7 +74,8 @@ def run_operator(
     every replica campaigns and only its holder runs kopf (the others wait, answering their liveness), so a
     Deployment may run two and roll. identity: this candidate's name in the Lease (default
     `$POD_NAME_<random>`, the host name without POD_NAME). Credentials: in-cluster service account, else
-    $KUBECONFIG / ~/.kube/config.
+    $KUBECONFIG / ~/.kube/config. peer: the operator's own pods (namespace and labels), which the servers'
+    NetworkPolicy lets reach their admin port; None (outside a pod): no NetworkPolicy is made.
     """
     kopf.configure(verbose=verbose)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per admin call otherwise
@@ -77,7 +86,7 @@ def run_operator(
         "standalone": standalone,
         "clusterwide": namespace is None,
         "namespaces": [namespace] if namespace else [],
-        "memo": kopf.Memo(),
+        "memo": kopf.Memo(peer=peer),
     }
     if leader_election is None:
         kopf.run(liveness_endpoint=liveness_endpoint, **options)

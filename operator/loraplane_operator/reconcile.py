@@ -25,7 +25,8 @@ from loraplane_operator.server_status import ModelReport, PodInfo, ServerRef, mo
 AUTOSCALERS = ((c.HPA_API_VERSION, "HorizontalPodAutoscaler"), (c.KEDA_API_VERSION, "ScaledObject"))
 # what runs the server pods: a switch between them (vLLM onto several nodes and back) deletes the other
 WORKLOADS = (("apps/v1", "Deployment"), (c.LWS_API_VERSION, "LeaderWorkerSet"))
-OPTIONAL = (("policy/v1", "PodDisruptionBudget"),)  # off by a spec switch: deleted when turned off
+# off by a spec switch (or, the NetworkPolicy, an operator outside the cluster): deleted when not applied
+OPTIONAL = (("policy/v1", "PodDisruptionBudget"), ("networking.k8s.io/v1", "NetworkPolicy"))
 
 
 def now_iso() -> str:
@@ -204,7 +205,7 @@ async def adapter_round(
     if not traits.registers_without_loading:  # vLLM: only the chosen pods load it; the router sends it there
         live = [p for p in live if tiers[p.name] != "none"]
     kind = server.engine
-    read = await asyncio.gather(*(_read_row(ctx, p, server.port, token, want.adapter_id, kind) for p in live))
+    read = await asyncio.gather(*(_read_row(ctx, p, server.call_port, token, want.adapter_id, kind) for p in live))
 
     async def sync(pod: PodInfo, row: dict | None, error: str | None) -> st.PodResult:
         tier = tiers[pod.name]
@@ -216,11 +217,11 @@ async def adapter_round(
             if action != "retry":
                 return st.PodResult(pod.name, tier, row, found_failed=action != "wait", exact=exact)
             out = await _sync_pod(
-                ctx, pod, server.port, token, want, tier, row, exact=exact, force=force, can_retry=True, kind=kind
+                ctx, pod, server.call_port, token, want, tier, row, exact=exact, force=force, can_retry=True, kind=kind
             )
             return replace(out, found_failed=True)
         return await _sync_pod(
-            ctx, pod, server.port, token, want, tier, row, exact=exact, force=force, can_retry=can_retry, kind=kind
+            ctx, pod, server.call_port, token, want, tier, row, exact=exact, force=force, can_retry=can_retry, kind=kind
         )
 
     results = await asyncio.gather(*(sync(p, row, err) for p, (row, err) in zip(live, read, strict=True)))
@@ -251,7 +252,7 @@ async def prewarm_pod(
 ) -> list[str]:
     """Register every adapter of the server on a new or restarted pod, prewarming those meant for all pods
     (adapters prewarmed on N pods are only registered; their own round picks the pods). Errors returned."""
-    url = pod.url(server.port)
+    url = pod.url(server.call_port)
     ctx.residency.drop(url)
     token = await server_token(ctx, server)
     admin = ctx.admin(url, token, server.engine)
@@ -283,7 +284,7 @@ async def unload_everywhere(
     token = await server_token(ctx, server)
 
     async def one(pod: PodInfo) -> str | None:
-        url = pod.url(server.port)
+        url = pod.url(server.call_port)
         try:
             async with ctx.slot(url):
                 await ctx.admin(url, token, server.engine).unload(adapter_id)

@@ -61,6 +61,8 @@ def router_args(namespace: str, server: str, spec: Mapping[str, Any]) -> list[st
     ]  # fmt: skip
     if builders.engine_kind(spec) == c.ENGINE_VLLM:
         args += ["--engine", c.ENGINE_VLLM]
+    else:  # residency from the servers' admin port
+        args += ["--pod-admin-port", str(builders.admin_port(spec))]
     return args
 
 

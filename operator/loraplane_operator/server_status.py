@@ -428,6 +428,12 @@ class ServerRef:
     token_key: str = "token"
     engine: str = c.ENGINE_LORAPLANE  # spec.engine.kind: which client talks to its pods
     is_gated: bool = False  # its pods wait, loaded, for the operator's prewarm before they turn Ready
+    admin_port: int | None = None  # where its pods serve the admin routes (--admin-port); None: on `port`
+
+    @property
+    def call_port(self) -> int:
+        """The port the operator's admin calls go to."""
+        return self.admin_port or self.port
 
 
 def server_ref(bms: Mapping[str, Any]) -> ServerRef:
@@ -441,4 +447,5 @@ def server_ref(bms: Mapping[str, Any]) -> ServerRef:
         token_key=ref[1] if ref else c.TOKEN_KEY,
         engine=builders.engine_kind(spec),
         is_gated=builders.prewarm_timeout_s(spec) > 0,
+        admin_port=builders.admin_port(spec),
     )

@@ -69,7 +69,7 @@ async def wait_loaded(ctx: OperatorContext, url: str) -> str:
 
 async def warm_pod(ctx: OperatorContext, server: ServerRef, pod: PodInfo, inputs: WarmInputs) -> str:
     """One pod run's gate, as the module says; how it ended: "opened" (by us), or the phase that ended it."""
-    url = pod.url(server.port)
+    url = pod.url(server.port)  # /ready, as the kubelet probes it
     phase = await wait_loaded(ctx, url)
     if phase != "prewarming":
         return phase
@@ -80,7 +80,7 @@ async def warm_pod(ctx: OperatorContext, server: ServerRef, pod: PodInfo, inputs
         if errors:
             log.warning("pod %s: %d adapters not sent: %s", pod.name, len(errors), "; ".join(errors)[:500])
         inputs.wake()
-        admin = AdminClient(ctx.http, url, await reconcile.server_token(ctx, server))
+        admin = AdminClient(ctx.http, pod.url(server.call_port), await reconcile.server_token(ctx, server))
         polls = 0
         while True:
             pending = await _pending(admin, pod, ctx, inputs)

@@ -229,6 +229,13 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-body-bytes", type=parse_bytes, default="4MiB")
     p.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
     p.add_argument(
+        "--admin-port",
+        type=int,
+        default=None,
+        help="serve the admin routes (/v1/adapters, vLLM's load/unload, /v1/prewarm/complete, /v1/debug/engine) on "
+        "this port alone, so that a network policy can limit who reaches them (default: on --port)",
+    )
+    p.add_argument(
         "--prewarm-timeout",
         type=float,
         default=0.0,
@@ -283,6 +290,7 @@ def _server_config(a: argparse.Namespace):  # noqa: ANN202 - imported lazily: ch
         engine=engine,
         host=a.host,
         port=a.port,
+        admin_port=a.admin_port,
         served_model_name=a.served_model_name,
         max_queue=a.max_queue,
         admin_token=a.admin_token or None,
@@ -411,7 +419,14 @@ def _link(link: Path, model_dir: Path, root: Path) -> str:
 def cmd_operator(a: argparse.Namespace) -> int:
     """Reconcile BaseModelServer and LoRAAdapter resources until SIGTERM."""
     from loraplane_operator.main import run_operator
+    from loraplane_operator.network_builders import Peer, parse_labels
 
+    try:
+        labels = parse_labels(a.pod_labels)
+    except ValueError as exc:
+        print(f"loraplane operator: --pod-labels: {exc}", file=sys.stderr)
+        return 2
+    peer = Peer(a.pod_namespace, labels) if a.pod_namespace and labels else None
     run_operator(
         namespace=a.namespace,
         standalone=True,
@@ -420,6 +435,7 @@ def cmd_operator(a: argparse.Namespace) -> int:
         metrics_port=a.metrics_port,
         metrics_address=a.metrics_address,
         leader_election=a.leader_elect,
+        peer=peer,
     )
     return 0
 
@@ -435,6 +451,12 @@ def _router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--namespace", help="with --selector: find the server pods through the Kubernetes API")
     p.add_argument("--selector", help="label selector of the server pods, e.g. loraplane.dev/server=smollm2")
     p.add_argument("--pod-port", type=int, default=8080, help="the server pods' HTTP port (with --selector)")
+    p.add_argument(
+        "--pod-admin-port",
+        type=int,
+        default=None,
+        help="the server pods' --admin-port, where residency (/v1/adapters) is read (default: --pod-port)",
+    )
     p.add_argument(
         "--epsilon", type=float, default=0.5, help="load bound: a pod over (1 + epsilon) x the mean is skipped"
     )
@@ -470,6 +492,7 @@ def cmd_router(a: argparse.Namespace) -> int:
             namespace=a.namespace,
             selector=a.selector,
             pod_port=a.pod_port,
+            pod_admin_port=a.pod_admin_port,
             admin_token=os.environ.get("LORAPLANE_ADMIN_TOKEN") or None,
             epsilon=a.epsilon,
             min_bound=a.min_bound,
@@ -519,6 +542,13 @@ def main(argv: list[str] | None = None) -> int:
         metavar="NAMESPACE/NAME",
         help="campaign for this coordination.k8s.io Lease and reconcile only while holding it (several replicas)",
     )
+    op.add_argument(
+        "--pod-namespace",
+        default=os.environ.get("POD_NAMESPACE"),
+        help="the namespace of the operator's own pods (default $POD_NAMESPACE); with --pod-labels, the servers' "
+        "NetworkPolicy lets those pods reach the admin port",
+    )
+    op.add_argument("--pod-labels", default="", help="the labels of the operator's own pods: k=v,k2=v2")
     op.add_argument("--verbose", action="store_true")
     op.set_defaults(func=cmd_operator)
     a = parser.parse_args(argv)

@@ -17,6 +17,7 @@ from typing import Literal
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import PlainTextResponse
+from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field
 
 from loraplane_server.errors import AdapterInUseError, EngineError, UnknownAdapterError
@@ -229,6 +230,11 @@ async def unload(state: ServerState, adapter_id: str) -> None:
 # routes
 router = APIRouter(tags=["admin"])
 admin = [Depends(require_admin)]
+
+
+def is_admin_path(path: str) -> bool:
+    """One of this module's routes (what --admin-port serves)."""
+    return any(route.path_regex.match(path) for route in router.routes if isinstance(route, APIRoute))
 
 
 @router.get("/v1/adapters", dependencies=admin)

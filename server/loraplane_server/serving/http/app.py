@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import socket
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -56,8 +57,35 @@ def create_app(config: ServerConfig) -> FastAPI:
     for module in (lorax, openai, admin, health):
         app.include_router(module.router)
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
+    if config.admin_port is not None:
+        app.add_middleware(AdminPort, admin_port=config.admin_port)
     app.add_middleware(CatchAll)  # outermost of ours: also catches what BodyLimit raises
     return app
+
+
+class AdminPort:
+    """ASGI middleware with --admin-port: the admin routes answer on that port only, and it serves nothing else
+    but the probes, so that a NetworkPolicy on the port (the operator's) can say who may manage adapters while
+    clients reach the API port. Elsewhere: a 404 that says where to go."""
+
+    PROBES = frozenset({"/health", "/ready", "/metrics"})
+
+    def __init__(self, app: ASGIApp, admin_port: int) -> None:
+        self.app = app
+        self.admin_port = admin_port
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope.get("path", "") in self.PROBES:
+            await self.app(scope, receive, send)
+            return
+        path = scope.get("path", "")
+        on_admin_port = (scope.get("server") or (None, None))[1] == self.admin_port
+        if admin.is_admin_path(path) == on_admin_port:
+            await self.app(scope, receive, send)
+            return
+        where = f"the admin port ({self.admin_port})" if not on_admin_port else "the API port"
+        body = error_body(path, 404, f"{path} is served on {where}", code="wrong_port")
+        await JSONResponse(body, status_code=404)(scope, receive, send)
 
 
 # middlewares
@@ -175,6 +203,22 @@ class GracefulServer(uvicorn.Server):
         return await super().on_tick(counter)
 
 
+def listen(host: str, port: int) -> socket.socket:
+    """A bound socket for uvicorn (which takes several, one per port: the API's and the admin's)."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[
+        0
+    ]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
 def serve(config: ServerConfig) -> int:
     """Serve until SIGTERM/SIGINT; 0 after a clean drain, 1 if the engine failed to start (its last line
     on stderr then reads `loraplane: failed to start: <reason>`)."""
@@ -191,7 +235,13 @@ def serve(config: ServerConfig) -> int:
         access_log=config.log_level == "debug",
     )
     server = GracefulServer(uv_config, lifecycle, config.shutdown_grace_s)
-    server.run()
+    ports = [config.port] if config.admin_port is None else [config.port, config.admin_port]
+    try:
+        sockets = [listen(config.host, port) for port in ports]
+    except OSError as exc:
+        print(f"loraplane: failed to start: cannot listen on {config.host}:{ports}: {exc}", file=sys.stderr, flush=True)
+        return 1
+    server.run(sockets=sockets)
     if lifecycle.phase == Phase.FAILED:
         logging.shutdown()  # flush the log first: this line is the last one on stderr (a pod's termination message)
         print(f"loraplane: failed to start: {lifecycle.error}", file=sys.stderr, flush=True)

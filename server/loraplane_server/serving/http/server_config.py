@@ -43,6 +43,7 @@ class ServerConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     host: str = "127.0.0.1"
     port: int = 8080
+    admin_port: int | None = None  # the admin routes on this port alone (None: on `port`, beside the API)
     served_model_name: str | None = None  # None: the --model argument (a path's last component)
     max_queue: int = 256  # waiting requests beyond this get 429
     admin_token: str | None = None  # None: admin routes are open, and anyone may register adapters
@@ -61,6 +62,8 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port={self.port} must be in [0, 65535]")
+        if self.admin_port is not None and not (0 < self.admin_port <= 65535 and self.admin_port != self.port):
+            raise ValueError(f"admin_port={self.admin_port} must be in [1, 65535] and differ from port={self.port}")
         for name in ("max_queue", "max_body_bytes", "metrics_top_adapters", "max_choices"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")

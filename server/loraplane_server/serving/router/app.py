@@ -59,6 +59,7 @@ class RouterConfig:
     namespace: str | None = None
     selector: str | None = None
     pod_port: int = 8080
+    pod_admin_port: int | None = None  # where the pods serve /v1/adapters (their --admin-port); None: pod_port
     admin_token: str | None = None  # the servers' admin token: /v1/adapters (residency) needs it
     epsilon: float = 0.5  # load bound: (1 + epsilon) x the mean (hot adapters spread by spilling)
     min_bound: int = MIN_BOUND  # ... but never under this many requests a pod
@@ -101,8 +102,9 @@ def adapter_of(path: str, body: bytes, base_models: set[str]) -> str | None:
 class Router:
     def __init__(self, config: RouterConfig, http: httpx.AsyncClient) -> None:
         self.config, self.http = config, http
-        kube = KubePods(config.namespace or "", config.selector, config.pod_port) if config.selector else None
-        static = static_targets(config.pods) if config.pods else None
+        selector, admin_port = config.selector, config.pod_admin_port
+        kube = KubePods(config.namespace or "", selector, config.pod_port, admin_port) if selector else None
+        static = static_targets(config.pods, admin_port) if config.pods else None
         self.pool = Pool(http, static=static, kube=kube, admin_token=config.admin_token, engine=config.engine)
         self.spill = Spill(queue_threshold=config.spill_queue)
         self.metrics = RouterMetrics(config.adapter_labels)

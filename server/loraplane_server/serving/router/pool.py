@@ -36,15 +36,30 @@ ENGINES = ("loraplane", "vllm")  # the server pods' engine kind (a BaseModelServ
 
 @dataclass(frozen=True)
 class Target:
-    """A pod to poll: its name (what the ranking hashes) and base URL."""
+    """A pod to poll: its name (what the ranking hashes), base URL, and the base URL of its admin routes (another
+    port where the server runs with --admin-port; residency is read there)."""
 
     name: str
     url: str
+    admin_url: str = ""
+
+    @property
+    def rows_url(self) -> str:
+        return self.admin_url or self.url
 
 
-def static_targets(pods: Iterable[str]) -> list[Target]:
+def with_port(url: str, port: int | None) -> str:
+    """`url` with its port replaced (None: unchanged)."""
+    if port is None:
+        return url
+    parts = urlsplit(url)
+    return parts._replace(netloc=f"{parts.hostname}:{port}").geturl()
+
+
+def static_targets(pods: Iterable[str], admin_port: int | None = None) -> list[Target]:
     """Targets from `URL` or `NAME=URL` entries; a pod without a name is named host:port. The name is what the
-    ranking hashes: give the Kubernetes pod names to agree with the operator's placement."""
+    ranking hashes: give the Kubernetes pod names to agree with the operator's placement. With `admin_port`, each
+    pod's admin routes are on that port of its host."""
     targets = []
     for entry in pods:
         name, _, url = entry.partition("=") if "=" in entry.split("://", 1)[0] else ("", "", entry)
@@ -52,7 +67,8 @@ def static_targets(pods: Iterable[str]) -> list[Target]:
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"--pod {entry!r}: expected [NAME=]http(s)://host:port")
         address = f"{parts.hostname}:{parts.port}" if parts.port else parts.hostname  # never user:password
-        targets.append(Target(name or address, url.rstrip("/")))
+        base = url.rstrip("/")
+        targets.append(Target(name or address, base, with_port(base, admin_port) if admin_port else ""))
     if len({t.name for t in targets}) != len(targets):
         raise ValueError("--pod: two pods with one name")
     return targets
@@ -64,8 +80,8 @@ class KubePods:
     the watch ends or fails (410 Gone included). `changed` is set on every change, so the pool reads a new pod,
     and forgets a deleted one, at once rather than at its next poll."""
 
-    def __init__(self, namespace: str, selector: str, port: int) -> None:
-        self.namespace, self.selector, self.port = namespace, selector, port
+    def __init__(self, namespace: str, selector: str, port: int, admin_port: int | None = None) -> None:
+        self.namespace, self.selector, self.port, self.admin_port = namespace, selector, port, admin_port
         self._api: Any = None
         self._pods: dict[str, Target] = {}
         self.listed = False
@@ -107,7 +123,8 @@ class KubePods:
         conditions = pod.status.conditions or []
         ready = any(c.type == "Ready" and c.status == "True" for c in conditions)
         if ready and pod.status.pod_ip and not pod.metadata.deletion_timestamp:
-            return Target(pod.metadata.name, f"http://{pod.status.pod_ip}:{self.port}")
+            url = f"http://{pod.status.pod_ip}:{self.port}"
+            return Target(pod.metadata.name, url, with_port(url, self.admin_port) if self.admin_port else "")
         return None
 
     def _apply(self, kind: str, pod: Any) -> None:
@@ -212,7 +229,7 @@ class Pool:
             return await self._read_vllm(target)
         try:
             rows, metrics = await asyncio.gather(
-                self.http.get(f"{target.url}/v1/adapters", headers=self.headers, timeout=self.timeout_s),
+                self.http.get(f"{target.rows_url}/v1/adapters", headers=self.headers, timeout=self.timeout_s),
                 self.http.get(f"{target.url}/metrics", timeout=self.timeout_s),
             )
             rows.raise_for_status()

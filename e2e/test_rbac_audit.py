@@ -1,0 +1,87 @@
+"""Issue 39, least privilege measured rather than argued: the real API server's audit log (e2e/cluster.py's policy:
+every request of a ServiceAccount outside kube-system) holds each request the operator made under its own accounts
+during this e2e run: the operator process's (`install_operator_rbac`) and the chart's operator pods'. Held against
+the rules the chart grants (loraplane_operator.rbac.RULES, and the chart's Lease rule for leader election):
+
+- nothing the operator asked for was refused (a 403 would be a missing rule, or code asking for more than it needs);
+- every granted (group, resource, verb) was used by the operator, except those rbac.NOT_EXERCISED names with the
+  reason this cluster cannot exercise them: a grant nothing uses is a right too many.
+
+It runs after every other e2e module (conftest orders it last), and only when the modules that run the operator ran.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from e2e.cluster import LocalCluster
+from e2e.operator_fixtures import OPERATOR_ACCOUNT, OPERATOR_NAMESPACE
+from e2e.test_helm import FULLNAME as HELM_ACCOUNT
+from e2e.test_helm import NAMESPACE as HELM_NAMESPACE
+from loraplane_operator import rbac
+
+pytestmark = pytest.mark.e2e
+
+OPERATOR_USERS = {
+    f"system:serviceaccount:{OPERATOR_NAMESPACE}:{OPERATOR_ACCOUNT}",
+    f"system:serviceaccount:{HELM_NAMESPACE}:{HELM_ACCOUNT}",
+}
+# the modules that run an operator: without all of them the log says too little about what it uses
+OPERATOR_MODULES = {"test_operator", "test_operator_residency", "test_helm", "test_router", "test_autoscaling"}
+LEASE_RULE = {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["get", "create", "update"]}
+
+Grant = tuple[str, str, str]  # (API group, resource[/subresource], verb)
+
+
+def granted() -> set[Grant]:
+    return {
+        (group, resource, verb)
+        for rule in [*rbac.RULES, LEASE_RULE]
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+        for verb in rule["verbs"]
+    }
+
+
+def operator_requests(log: Path) -> list[dict[str, Any]]:
+    """The operator's resource requests (not discovery) from the audit log."""
+    events = (json.loads(line) for line in log.read_text().splitlines() if line.strip())
+    return [e for e in events if e.get("user", {}).get("username") in OPERATOR_USERS and e.get("objectRef")]
+
+
+def grants_of(event: dict[str, Any]) -> list[Grant]:
+    """What the API server authorized for one request: its verb, and `create` too for a server-side apply that
+    created the object (201: the patch handler authorizes create inline, with no event of its own)."""
+    ref = event["objectRef"]
+    resource = ref.get("resource", "") + (f"/{ref['subresource']}" if ref.get("subresource") else "")
+    group, verb = ref.get("apiGroup", ""), event["verb"]
+    created = verb == "patch" and event.get("responseStatus", {}).get("code") == 201
+    return [(group, resource, verb)] + ([(group, resource, "create")] if created else [])
+
+
+def test_the_operator_used_every_right_it_holds_and_asked_for_none_it_lacks(
+    cluster: LocalCluster, request: pytest.FixtureRequest
+) -> None:
+    ran = {Path(str(item.fspath)).stem for item in request.session.items}
+    if not OPERATOR_MODULES <= ran:
+        pytest.skip(f"needs the whole e2e run: {sorted(OPERATOR_MODULES - ran)} did not run")
+    events = operator_requests(cluster.audit_log)
+    assert events, f"no request of {sorted(OPERATOR_USERS)} in {cluster.audit_log}"
+    code = [e.get("responseStatus", {}).get("code", 200) for e in events]
+    used = Counter(g for e, status in zip(events, code, strict=True) if status != 403 for g in grants_of(e))
+    refused = Counter(g for e, status in zip(events, code, strict=True) if status == 403 for g in grants_of(e))
+    print(json.dumps({"/".join(g): n for g, n in sorted(used.items())}, indent=1))
+    assert not refused, f"the operator asked for rights it does not hold: {dict(refused)}"
+    unused = granted() - set(used) - set(rbac.NOT_EXERCISED)
+    assert not unused, (
+        f"granted but never used by the operator (remove them, or say in NOT_EXERCISED why): {sorted(unused)}"
+    )
+    exercised_anyway = set(rbac.NOT_EXERCISED) & set(used)
+    assert not exercised_anyway, f"used after all, take them out of NOT_EXERCISED: {sorted(exercised_anyway)}"
+    beyond = set(used) - granted()
+    assert not beyond, f"used without a rule of ours (another binding?): {sorted(beyond)}"
