@@ -11,7 +11,7 @@ import yaml
 
 from loraplane_operator import builders, network_builders, rbac, router_builders, vllm_builders
 from loraplane_operator import constants as c
-from loraplane_operator.server_status import server_ref
+from loraplane_operator.server_status import PodInfo, pod_info, server_ref
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -205,6 +205,8 @@ def test_config_hash_tracks_the_pod_shaping_spec_only():
     assert builders.config_hash(changed) != h
     assert builders.config_hash({**base, "image": "loraplane:v2"}) != h
     assert builders.config_hash({**base, "adminTokenSecretRef": {"name": "other"}}) != h
+    unshaped = {**base, "networkPolicy": {"enabled": False}, "disruptionBudget": {"maxUnavailable": 2}}
+    assert builders.config_hash(unshaped) == h  # neither is part of a pod: switching them rolls none
     dep = builders.get_deployment(sample())
     assert dep["spec"]["template"]["metadata"]["annotations"] == {c.CONFIG_HASH_ANNOTATION: h}
 
@@ -487,6 +489,15 @@ def test_prewarm_gate_becomes_the_servers_timeout_and_vllm_has_none():
     assert "--prewarm-timeout" not in str(vllm_builders.get_workload(vllm, None))
 
 
+def pod_of(workload: dict) -> PodInfo:
+    """The PodInfo of a pod made from a Deployment's template, at 10.0.0.9."""
+    template = workload["spec"]["template"]
+    meta = {**template["metadata"], "name": "p", "namespace": "ml", "uid": "u"}
+    info = pod_info({"metadata": meta, "spec": template["spec"], "status": {"podIP": "10.0.0.9"}})
+    assert info is not None
+    return info
+
+
 def test_network_policy_opens_the_admin_port_to_the_router_and_the_operator_only():
     peer = network_builders.Peer("loraplane-system", {"app.kubernetes.io/name": "loraplane", "x": "y"})
     policy = network_builders.get_network_policy(bms(adminPort=9090), peer)
@@ -507,11 +518,15 @@ def test_network_policy_opens_the_admin_port_to_the_router_and_the_operator_only
     }
     dep = builders.get_deployment(bms(adminPort=9090))
     assert {"name": "admin", "containerPort": 9090, "protocol": "TCP"} in container(dep)["ports"]
-    assert "9090" in container(dep)["args"] and server_ref(bms(adminPort=9090)).call_port == 9090
+    assert "9090" in container(dep)["args"] and pod_of(dep).admin_url(8080) == "http://10.0.0.9:9090"
     assert network_builders.get_network_policy(bms(networkPolicy={"enabled": False}), peer) is None
     assert network_builders.get_network_policy(bms(), None) is None  # an operator outside the cluster
     vllm = bms(engine={"kind": "vllm"}, resources={"gpus": 1})
-    assert network_builders.get_network_policy(vllm, peer) is None and server_ref(vllm).call_port == 8080
+    assert network_builders.get_network_policy(vllm, peer) is None
+    assert pod_of(vllm_builders.get_workload(vllm, None)).admin_url(8080) == "http://10.0.0.9:8080"  # its API port
+    before = copy.deepcopy(builders.get_deployment(bms()))  # a pod made before the admin port existed
+    container(before)["ports"] = [p for p in container(before)["ports"] if p["name"] != "admin"]
+    assert pod_of(before).admin_url(8080) == "http://10.0.0.9:8080"  # still reached where it listens
     assert network_builders.parse_labels(" a=b, c=d ,") == {"a": "b", "c": "d"}
     with pytest.raises(ValueError, match="key=value"):
         network_builders.parse_labels("a=b,oops")

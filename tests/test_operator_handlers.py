@@ -58,9 +58,7 @@ class Stopped:
 
 def test_indexes():
     body = {"metadata": {"name": "smollm2", "namespace": "ml"}, "spec": {"port": 9000}}
-    assert handlers.servers(body=body) == {
-        KEY: ServerRef("smollm2", "ml", 9000, "smollm2-admin-token", is_gated=True, admin_port=8081)
-    }
+    assert handlers.servers(body=body) == {KEY: ServerRef("smollm2", "ml", 9000, "smollm2-admin-token", is_gated=True)}
     assert handlers.server_pods(body=pod_body("smollm2-a")) == {KEY: pod_info(pod_body("smollm2-a"))}
     spec = {"baseModelServer": "smollm2", "source": "/s"}
     want = {KEY: ("fr", st.AdapterWant("fr", "/s"))}

@@ -400,7 +400,7 @@ def test_autoscaling_column(autoscaling, expected):
     bms = {"metadata": {"name": "smollm2", "namespace": "ml"}, "spec": {"autoscaling": autoscaling}}
     assert server_status(bms, deployment(1, 1), [], {}, NOW)["autoscaling"] == expected
     ref = server_ref({**bms, "spec": {"adminTokenSecretRef": {"name": "admin"}}})
-    assert ref == ServerRef("smollm2", "ml", 8080, "admin", "token", is_gated=True, admin_port=8081)
+    assert ref == ServerRef("smollm2", "ml", 8080, "admin", "token", is_gated=True)
 
 
 # caches

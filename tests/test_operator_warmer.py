@@ -16,6 +16,7 @@ import pytest
 from test_http_support import REPO, ServerProcess, free_port
 
 from loraplane_operator import adapter_status as st
+from loraplane_operator import constants as c
 from loraplane_operator import reconcile, warmer
 from loraplane_operator.admin_client import make_http_client
 from loraplane_operator.context import OperatorContext
@@ -63,7 +64,10 @@ def wants_split() -> tuple[list[st.AdapterWant], set[str], set[str]]:
     return wants, mine, set(ids) - mine
 
 
-def test_the_warmer_opens_the_gate_only_once_the_adapters_placed_here_are_resident(gated: ServerProcess) -> None:
+def test_the_warmer_opens_the_gate_only_once_the_adapters_placed_here_are_resident(
+    gated: ServerProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(c, "READY_AFTER_GATE_S", 0.0)  # no kubelet here to call it Ready
     ready = httpx.get(f"{gated.url}/ready", timeout=5)
     assert ready.status_code == 503 and ready.json()["status"] == "prewarming", ready.text
     assert ready.json()["model"]["phase"] == "ready" and ready.json()["prewarm_timeout_seconds"] == 600
@@ -71,8 +75,8 @@ def test_the_warmer_opens_the_gate_only_once_the_adapters_placed_here_are_reside
     assert httpx.post(f"{gated.url}/v1/completions", json=body, timeout=120).status_code == 200  # served meanwhile
 
     wants, mine, elsewhere = wants_split()
-    server = ServerRef("smollm2", "ml", gated.port, is_gated=True, admin_port=ADMIN_PORT)
-    pod = PodInfo(POD, "ml", "smollm2", "uid-new", "127.0.0.1", False, 0, stage="starting")
+    server = ServerRef("smollm2", "ml", gated.port, is_gated=True)
+    pod = PodInfo(POD, "ml", "smollm2", "uid-new", "127.0.0.1", False, 0, stage="starting", admin_port=ADMIN_PORT)
     other = PodInfo(OTHER, "ml", "smollm2", "uid-old", "127.0.0.2", True, 0)
     seen: dict[str, object] = {}
 

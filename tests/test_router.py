@@ -4,6 +4,7 @@ within an adapter's home, the load bound, the fallback, spilling a hot adapter a
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import httpx
 import pytest
@@ -12,7 +13,7 @@ from prometheus_client import generate_latest
 from loraplane_server.serving.router.app import Router, RouterConfig, adapter_of, tier_name
 from loraplane_server.serving.router.choice import PodView, Spill, choose, load_bound
 from loraplane_server.serving.router.metrics import OTHER, POD_SERIES_TTL_S, AdapterCount, AdapterCounts, RouterMetrics
-from loraplane_server.serving.router.pool import _load, static_targets, with_port
+from loraplane_server.serving.router.pool import KubePods, _load, static_targets, with_port
 from loraplane_server.serving.router.ranking import rank
 
 NAMES = ["pod-a", "pod-b", "pod-c", "pod-d"]
@@ -152,7 +153,30 @@ def test_config_and_targets_refuse_what_cannot_work() -> None:
     assert (
         with_port("http://10.0.0.7:8080", 8081) == "http://10.0.0.7:8081"
         and with_port("http://a:1", None) == "http://a:1"
+        and with_port("http://[fd00::7]:8080", 8081) == "http://[fd00::7]:8081"
     )
+
+
+def kube_pod(ip: str, ports: list[tuple[str, int]], ready: bool = True) -> Any:
+    from kubernetes_asyncio import client
+
+    container = client.V1Container(name="server", ports=[client.V1ContainerPort(p, name=n) for n, p in ports])
+    return client.V1Pod(
+        metadata=client.V1ObjectMeta(name=f"pod-{ip}"),
+        spec=client.V1PodSpec(containers=[container]),
+        status=client.V1PodStatus(pod_ip=ip, conditions=[client.V1PodCondition(type="Ready", status=str(ready))]),
+    )
+
+
+def test_each_pod_says_where_its_admin_routes_are() -> None:
+    pool = KubePods("ml", "app=x", 8080, admin_port=9001)
+    new = pool._target(kube_pod("10.0.0.1", [("http", 8080), ("admin", 8081)]))
+    assert new is not None and (new.url, new.rows_url) == ("http://10.0.0.1:8080", "http://10.0.0.1:8081")
+    old = pool._target(kube_pod("10.0.0.2", [("http", 8080)]))  # made before it had one: the flag's port
+    assert old is not None and old.rows_url == "http://10.0.0.2:9001"
+    bare = KubePods("ml", "app=x", 8080)._target(kube_pod("10.0.0.3", [("http", 8080)]))
+    assert bare is not None and bare.rows_url == "http://10.0.0.3:8080"  # beside the API
+    assert pool._target(kube_pod("10.0.0.4", [("admin", 8081)], ready=False)) is None
 
 
 def test_adapter_series_are_bounded_and_only_grow() -> None:

@@ -46,7 +46,7 @@ ENGINE_SWITCHES = {
     "enforceEager": "--enforce-eager",
 }
 # spec fields that do not change the pod template (scaling is not a new configuration)
-UNHASHED_FIELDS = ("replicas", "autoscaling")
+UNHASHED_FIELDS = ("replicas", "autoscaling", "networkPolicy", "disruptionBudget")  # no pod is made of these
 
 
 def selector_labels(name: str) -> dict[str, str]:

@@ -104,3 +104,4 @@ ADMIN_TIMEOUT_S = 10.0
 READY_TIMEOUT_S = 2.0  # a starting pod's /ready, read on every status tick
 PREWARM_CONCURRENCY = 8  # admin calls in flight per pod
 WARM_POLL_S = 1.0  # a gated pod's /ready and residency, read this often while it loads and is prewarmed
+READY_AFTER_GATE_S = 20.0  # an opened pod counts for placement this long at most before Kubernetes calls it Ready

@@ -324,6 +324,8 @@ async def server_pod_event(
         ctx.drop_warmer(info.uid)
     else:
         ctx.pod_marks[info.uid] = mark
+    if info.is_ready:
+        ctx.warming.pop(info.uid, None)  # placement counts it as Ready now
     if server is not None and server.is_gated and is_starting(info) and event["type"] != "DELETED":
         if warmer.ensure_warmer(ctx, server, info, _warm_inputs(ctx, key, adapters, server_pods)):
             logger.info(f"pod {info.name} starting: prewarmed before it turns Ready")
@@ -337,7 +339,7 @@ async def server_pod_event(
         else:
             await _prewarm_ready_pod(ctx, server, info, [w for _, w in entries], body, logger)
     elif not info.is_ready and info.ip:
-        ctx.forget_pod(info.url(server.call_port))
+        ctx.forget_pod(info.admin_url(server.port))
     for adapter_name, _want in entries:  # let their status follow the pod set now
         ctx.wakeup(info.namespace, adapter_name).set()
 
@@ -350,7 +352,7 @@ async def _prewarm_ready_pod(
     body: kopf.Body,
     logger: kopf.Logger,
 ) -> None:
-    ctx.forget_pod(info.url(server.call_port))
+    ctx.forget_pod(info.admin_url(server.port))
     try:
         errors = await reconcile.prewarm_pod(ctx, server, info, wants)
     except (ApiException, KeyError) as exc:

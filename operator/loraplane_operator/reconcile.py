@@ -113,7 +113,7 @@ class RoundOutcome:
 async def _read_row(
     ctx: OperatorContext, pod: PodInfo, port: int, token: str | None, adapter_id: str, kind: str
 ) -> tuple[dict | None, str | None]:
-    url = pod.url(port)
+    url = pod.admin_url(port)
     try:
         rows = await ctx.residency.rows(url, ctx.admin(url, token, kind).list_adapters)
     except AdminError as exc:
@@ -141,7 +141,7 @@ async def _sync_pod(
     is_prewarm = st.needs_prewarm(row, tier, force=force, can_retry=can_retry)
     if not is_prewarm and not (can_retry and st.needs_tier_call(row, tier, exact=exact)):
         return st.PodResult(pod.name, tier, row, exact=exact)
-    url = pod.url(port)
+    url = pod.admin_url(port)
     admin = ctx.admin(url, token, kind)
     try:
         async with ctx.slot(url):
@@ -205,7 +205,7 @@ async def adapter_round(
     if not traits.registers_without_loading:  # vLLM: only the chosen pods load it; the router sends it there
         live = [p for p in live if tiers[p.name] != "none"]
     kind = server.engine
-    read = await asyncio.gather(*(_read_row(ctx, p, server.call_port, token, want.adapter_id, kind) for p in live))
+    read = await asyncio.gather(*(_read_row(ctx, p, server.port, token, want.adapter_id, kind) for p in live))
 
     async def sync(pod: PodInfo, row: dict | None, error: str | None) -> st.PodResult:
         tier = tiers[pod.name]
@@ -217,11 +217,11 @@ async def adapter_round(
             if action != "retry":
                 return st.PodResult(pod.name, tier, row, found_failed=action != "wait", exact=exact)
             out = await _sync_pod(
-                ctx, pod, server.call_port, token, want, tier, row, exact=exact, force=force, can_retry=True, kind=kind
+                ctx, pod, server.port, token, want, tier, row, exact=exact, force=force, can_retry=True, kind=kind
             )
             return replace(out, found_failed=True)
         return await _sync_pod(
-            ctx, pod, server.call_port, token, want, tier, row, exact=exact, force=force, can_retry=can_retry, kind=kind
+            ctx, pod, server.port, token, want, tier, row, exact=exact, force=force, can_retry=can_retry, kind=kind
         )
 
     results = await asyncio.gather(*(sync(p, row, err) for p, (row, err) in zip(live, read, strict=True)))
@@ -252,7 +252,7 @@ async def prewarm_pod(
 ) -> list[str]:
     """Register every adapter of the server on a new or restarted pod, prewarming those meant for all pods
     (adapters prewarmed on N pods are only registered; their own round picks the pods). Errors returned."""
-    url = pod.url(server.call_port)
+    url = pod.admin_url(server.port)
     ctx.residency.drop(url)
     token = await server_token(ctx, server)
     admin = ctx.admin(url, token, server.engine)
@@ -284,7 +284,7 @@ async def unload_everywhere(
     token = await server_token(ctx, server)
 
     async def one(pod: PodInfo) -> str | None:
-        url = pod.url(server.call_port)
+        url = pod.admin_url(server.port)
         try:
             async with ctx.slot(url):
                 await ctx.admin(url, token, server.engine).unload(adapter_id)

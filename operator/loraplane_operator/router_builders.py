@@ -61,9 +61,7 @@ def router_args(namespace: str, server: str, spec: Mapping[str, Any]) -> list[st
     ]  # fmt: skip
     if builders.engine_kind(spec) == c.ENGINE_VLLM:
         args += ["--engine", c.ENGINE_VLLM]
-    else:  # residency from the servers' admin port
-        args += ["--pod-admin-port", str(builders.admin_port(spec))]
-    return args
+    return args  # residency from each server pod's own "admin" container port, where it names one
 
 
 def get_router_deployment(bms: Body) -> dict[str, Any]:

@@ -30,9 +30,15 @@ class PodInfo:
     config_hash: str | None = None  # of the spec the pod was made from
     stage: str | None = None  # "fetching": its init container pulls the model; "starting": its server starts
     is_terminating: bool = False  # deleted, its containers stopping
+    admin_port: int | None = None  # its container port named "admin" (--admin-port); None: admin on the API port
 
     def url(self, port: int) -> str:
         return builders.pod_url(self.ip or "", port)
+
+    def admin_url(self, port: int) -> str:
+        """Where its admin routes answer: its own admin port (each pod says, so pods made before the server had one,
+        or before spec.adminPort changed, are still reached), else `port`, the API's (vLLM pods: their LoRA routes)."""
+        return self.url(self.admin_port or port)
 
 
 def pod_info(body: Mapping[str, Any]) -> PodInfo | None:
@@ -62,7 +68,17 @@ def pod_info(body: Mapping[str, Any]) -> PodInfo | None:
         config_hash=(meta.get("annotations") or {}).get(c.CONFIG_HASH_ANNOTATION),
         stage=pod_stage(inits, containers),
         is_terminating=bool(meta.get("deletionTimestamp")),
+        admin_port=named_port(body, c.ADMIN_PORT_NAME),
     )
+
+
+def named_port(pod: Mapping[str, Any], name: str) -> int | None:
+    """The container port of that name in a pod's spec, None if no container names one so."""
+    for container in (pod.get("spec") or {}).get("containers") or []:
+        for port in container.get("ports") or []:
+            if port.get("name") == name and port.get("containerPort"):
+                return int(port["containerPort"])
+    return None
 
 
 def pod_stage(inits: Sequence[Mapping[str, Any]], containers: Sequence[Mapping[str, Any]]) -> str | None:
@@ -428,12 +444,6 @@ class ServerRef:
     token_key: str = "token"
     engine: str = c.ENGINE_LORAPLANE  # spec.engine.kind: which client talks to its pods
     is_gated: bool = False  # its pods wait, loaded, for the operator's prewarm before they turn Ready
-    admin_port: int | None = None  # where its pods serve the admin routes (--admin-port); None: on `port`
-
-    @property
-    def call_port(self) -> int:
-        """The port the operator's admin calls go to."""
-        return self.admin_port or self.port
 
 
 def server_ref(bms: Mapping[str, Any]) -> ServerRef:
@@ -447,5 +457,4 @@ def server_ref(bms: Mapping[str, Any]) -> ServerRef:
         token_key=ref[1] if ref else c.TOKEN_KEY,
         engine=builders.engine_kind(spec),
         is_gated=builders.prewarm_timeout_s(spec) > 0,
-        admin_port=builders.admin_port(spec),
     )

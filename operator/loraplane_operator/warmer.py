@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import httpx
+from kubernetes_asyncio.client.exceptions import ApiException
 
 from loraplane_operator import adapter_status as st
 from loraplane_operator import constants as c
@@ -75,23 +76,16 @@ async def warm_pod(ctx: OperatorContext, server: ServerRef, pod: PodInfo, inputs
         return phase
     ctx.warming[pod.uid] = pod
     try:
-        errors = await reconcile.prewarm_pod(ctx, server, pod, inputs.wants())
-        ctx.warmed[pod.uid] = pod.restarts
-        if errors:
-            log.warning("pod %s: %d adapters not sent: %s", pod.name, len(errors), "; ".join(errors)[:500])
-        inputs.wake()
-        admin = AdminClient(ctx.http, pod.url(server.call_port), await reconcile.server_token(ctx, server))
+        await _send(ctx, server, pod, inputs)
         polls = 0
         while True:
-            pending = await _pending(admin, pod, ctx, inputs)
-            if pending == []:
-                try:
-                    opened = await admin.prewarm_complete()
-                except AdminError as exc:  # draining or unreachable now: the phase read below says which
-                    log.info("pod %s: the gate did not open: %s", pod.name, exc.message)
-                else:
-                    log.info("pod %s prewarmed: gate %s", pod.name, "opened" if opened else "was open")
-                    return "opened"
+            admin = await _admin(ctx, server, pod)
+            pending = None if admin is None else await _pending(admin, pod, ctx, inputs)
+            if admin is not None and pending == [] and await _open(admin, pod):
+                # still warming for placement until Kubernetes sees it Ready (the kubelet's next probe; the pod
+                # event ends it sooner), so that no round in between places its adapters elsewhere
+                await asyncio.sleep(c.READY_AFTER_GATE_S)
+                return "opened"
             now = await read_phase(ctx, url)
             if now not in ("prewarming", None):
                 log.info("pod %s: %s before its prewarm finished (waiting for %s)", pod.name, now, pending)
@@ -102,6 +96,38 @@ async def warm_pod(ctx: OperatorContext, server: ServerRef, pod: PodInfo, inputs
             await asyncio.sleep(c.WARM_POLL_S)
     finally:
         ctx.warming.pop(pod.uid, None)
+
+
+async def _send(ctx: OperatorContext, server: ServerRef, pod: PodInfo, inputs: WarmInputs) -> None:
+    """Register and prewarm the server's adapters on the pod, then wake their rounds (which place the rest)."""
+    try:
+        errors = await reconcile.prewarm_pod(ctx, server, pod, inputs.wants())
+    except (ApiException, KeyError) as exc:  # the admin token cannot be read now: the rounds send them later
+        errors = [f"cannot read the admin token: {exc}"]
+    ctx.warmed[pod.uid] = pod.restarts
+    if errors:
+        log.warning("pod %s: %d adapters not sent: %s", pod.name, len(errors), "; ".join(errors)[:500])
+    inputs.wake()
+
+
+async def _admin(ctx: OperatorContext, server: ServerRef, pod: PodInfo) -> AdminClient | None:
+    """The pod's admin client, None while the admin token cannot be read (the next poll tries again)."""
+    try:
+        token = await reconcile.server_token(ctx, server)
+    except (ApiException, KeyError) as exc:
+        log.info("pod %s: cannot read the admin token yet: %s", pod.name, exc)
+        return None
+    return AdminClient(ctx.http, pod.admin_url(server.port), token)
+
+
+async def _open(admin: AdminClient, pod: PodInfo) -> bool:
+    try:
+        opened = await admin.prewarm_complete()
+    except AdminError as exc:  # draining or unreachable now: the phase read after says which
+        log.info("pod %s: the gate did not open: %s", pod.name, exc.message)
+        return False
+    log.info("pod %s prewarmed: gate %s", pod.name, "opened" if opened else "was open")
+    return True
 
 
 async def _pending(admin: AdminClient, pod: PodInfo, ctx: OperatorContext, inputs: WarmInputs) -> list[str] | None:

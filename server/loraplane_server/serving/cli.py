@@ -455,7 +455,8 @@ def _router_args(p: argparse.ArgumentParser) -> None:
         "--pod-admin-port",
         type=int,
         default=None,
-        help="the server pods' --admin-port, where residency (/v1/adapters) is read (default: --pod-port)",
+        help="the server pods' --admin-port, where residency (/v1/adapters) is read: for --pod URLs, and for pods "
+        "from --selector that name no 'admin' container port (default: --pod-port)",
     )
     p.add_argument(
         "--epsilon", type=float, default=0.5, help="load bound: a pod over (1 + epsilon) x the mean is skipped"

@@ -1,5 +1,5 @@
-"""The FastAPI app and how it runs: routes, error handlers, two middlewares (body-size limit, catch-all) and a
-lifespan that loads the engine; `serve` runs it under uvicorn with a graceful SIGTERM drain.
+"""The FastAPI app and how it runs: routes, error handlers, middlewares (body-size limit, the admin port's
+routes, catch-all) and a lifespan that loads the engine; `serve` runs it under uvicorn with a graceful SIGTERM drain.
 
 The model loads in the background so /health answers at once; /ready turns 200 when it is loaded.
 
@@ -205,13 +205,11 @@ class GracefulServer(uvicorn.Server):
 
 def listen(host: str, port: int) -> socket.socket:
     """A bound socket for uvicorn (which takes several, one per port: the API's and the admin's)."""
-    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[
-        0
-    ]
-    sock = socket.socket(family, kind, proto)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET  # as uvicorn binds --host (localhost: IPv4)
+    sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind(address)
+        sock.bind((host, port))
     except OSError:
         sock.close()
         raise

@@ -43,7 +43,7 @@ REFUSED_AT_THE_DOOR = (
 )  # a server pod's answers to a request it did not start (serving/http/state.py)
 POD_HEADER = "x-loraplane-pod"  # on every routed answer: the pod that served it
 GENERATION_ROUTES = ("/generate", "/generate_stream", "/", "/v1/completions", "/v1/chat/completions")
-ADMIN_PREFIXES = ("/v1/adapters", "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/debug")
+ADMIN_PREFIXES = ("/v1/adapters", "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/v1/debug", "/v1/prewarm")
 # hop-by-hop headers (RFC 9110 7.6.1) and the ones httpx sets itself
 _DROP_HEADERS = frozenset(
     {"connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding", "upgrade", "host",
@@ -149,7 +149,9 @@ class Router:
     async def forward(self, request: Request) -> Response:
         path = request.url.path
         if path.startswith(ADMIN_PREFIXES):
-            return _error(404, "adapter admin is per pod: call a pod (the server Service) or use the operator")
+            return _error(
+                404, "adapter admin is per pod: call a pod's admin port (8081 under the operator) or use the operator"
+            )
         body = await request.body()
         if not self.base_models:
             await self.learn_base_models()

@@ -53,7 +53,21 @@ def with_port(url: str, port: int | None) -> str:
     if port is None:
         return url
     parts = urlsplit(url)
-    return parts._replace(netloc=f"{parts.hostname}:{port}").geturl()
+    host = f"[{parts.hostname}]" if ":" in (parts.hostname or "") else parts.hostname
+    return parts._replace(netloc=f"{host}:{port}").geturl()
+
+
+ADMIN_PORT_NAME = "admin"  # a server pod's container port for its admin routes (the operator names it so)
+
+
+def named_port(pod: Any, name: str) -> int | None:
+    """The container port of that name in a pod (a kubernetes_asyncio V1Pod), None if none is named so: each pod
+    says where its admin routes are, so pods made before an admin port existed keep theirs on the API port."""
+    for container in (pod.spec.containers if pod.spec is not None else None) or []:
+        for port in container.ports or []:
+            if port.name == name:
+                return int(port.container_port)
+    return None
 
 
 def static_targets(pods: Iterable[str], admin_port: int | None = None) -> list[Target]:
@@ -124,7 +138,8 @@ class KubePods:
         ready = any(c.type == "Ready" and c.status == "True" for c in conditions)
         if ready and pod.status.pod_ip and not pod.metadata.deletion_timestamp:
             url = f"http://{pod.status.pod_ip}:{self.port}"
-            return Target(pod.metadata.name, url, with_port(url, self.admin_port) if self.admin_port else "")
+            admin_port = named_port(pod, ADMIN_PORT_NAME) or self.admin_port
+            return Target(pod.metadata.name, url, with_port(url, admin_port) if admin_port else "")
         return None
 
     def _apply(self, kind: str, pod: Any) -> None:
