@@ -14,6 +14,7 @@ import signal
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,9 @@ DRY_NAMESPACE = "e2e-helm-dry-run"
 RELEASE = "lp"
 SERVER = "smollm2"
 FULLNAME = f"{RELEASE}-loraplane"
+# when each `helm uninstall` began: from then on the release's operator pods may outlive their RoleBinding (its
+# pods stop after helm deleted the rules), so test_rbac_audit counts none of their refusals as a missing rule
+UNINSTALLS: list[datetime] = []
 OPERATOR = f"{FULLNAME}-operator"
 ADAPTERS = {"french": "device", "json": "host"}  # name -> prewarm tier
 POD_START_S = 240.0
@@ -110,6 +114,7 @@ def _teardown(env: Env) -> None:
     """If a test stopped before the uninstall: uninstall (hooks first), else drop finalizers by hand."""
     try:
         if RELEASE in env.helm("list", "-n", NAMESPACE, "-q").split():
+            UNINSTALLS.append(datetime.now(UTC))
             env.helm("uninstall", RELEASE, "-n", NAMESPACE, "--wait", "--timeout", "3m")
     except HelmError:
         for kind in ("lora", "bms"):
@@ -120,6 +125,7 @@ def _teardown(env: Env) -> None:
                 except KubectlError:
                     pass
         try:
+            UNINSTALLS.append(datetime.now(UTC))
             env.helm("uninstall", RELEASE, "-n", NAMESPACE, "--no-hooks")
         except HelmError:
             pass
@@ -391,6 +397,7 @@ def test_c_upgrade_changing_a_server_value_rolls_the_servers(env: Env) -> None:
 def test_d_uninstall_leaves_only_the_crds(env: Env) -> None:
     operator_name = operator_pod(env)["metadata"]["name"]  # type: ignore[index]
     assert all(FINALIZER in env.get("lora", n)["metadata"]["finalizers"] for n in ADAPTERS)
+    UNINSTALLS.append(datetime.now(UTC))
     env.helm("uninstall", RELEASE, "-n", NAMESPACE, "--wait", "--timeout", "3m")
 
     # the hook deleted the adapters first, while the operator ran: its unload handler succeeded for each

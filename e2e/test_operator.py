@@ -342,6 +342,27 @@ def test_b2_admin_api_is_closed_without_a_token_ref(env: Env) -> None:
     assert applied["status"].get("observedGeneration") == applied["metadata"]["generation"]
 
 
+def test_b2b_disruption_budget_turned_off_and_on_rolls_no_pod(env: Env) -> None:
+    """spec.disruptionBudget off deletes the PodDisruptionBudget, on makes it again; neither is part of a pod,
+    so the pods stay the same ones (no rollout for a switch that shapes no pod)."""
+    before = names(ready_server_pods(env.kubectl, env.namespace, SERVER))
+    template = env.get("deployment", SERVER)["spec"]["template"]
+
+    def switch(enabled: bool) -> None:
+        patch = json.dumps({"spec": {"disruptionBudget": {"enabled": enabled}}})
+        env.kubectl("patch", "bms", SERVER, "-n", env.namespace, "--type=merge", "-p", patch)
+
+    def budgets() -> list[str]:
+        return env.kubectl("get", "pdb", "-n", env.namespace, "-o", "name").split()
+
+    switch(False)
+    wait_until(lambda: not budgets() or None, timeout=60, what="the PodDisruptionBudget deleted")
+    switch(True)
+    wait_until(lambda: budgets() == [f"poddisruptionbudget.policy/{SERVER}"], timeout=60, what="it made again")
+    assert env.get("deployment", SERVER)["spec"]["template"] == template
+    assert names(ready_server_pods(env.kubectl, env.namespace, SERVER)) == before
+
+
 def test_b3_server_pods_pass_pod_security_restricted(env: Env) -> None:
     """The real PodSecurity admission plugin, enforcing `restricted` on a namespace, admits the pod the operator
     made and the default pod (read-only root, its /tmp and /cache volumes, a claim-backed model cache); it

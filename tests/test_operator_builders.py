@@ -310,6 +310,8 @@ def test_rbac_rules_yaml_matches_the_constant():
     assert secrets["verbs"] == ["get", "create"]  # never list, update or delete: a token made once, read by name
     claims = next(r for r in rbac.RULES if r["resources"] == ["persistentvolumeclaims"])
     assert claims["verbs"] == ["get", "create", "patch"]  # the model cache is never deleted by the operator
+    puts = {r for rule in rbac.RULES if "update" in rule["verbs"] for r in rule["resources"]}
+    assert puts == {"basemodelservers/finalizers", "loraadapters/finalizers"}  # it applies and patches, never PUTs
 
 
 # model source, model cache, credentials

@@ -113,7 +113,7 @@ def get_router_rbac(bms: Body) -> list[dict[str, Any]]:
     name = router_name(bms["metadata"]["name"])
     account = _manifest("v1", "ServiceAccount", bms, None)
     role = _manifest("rbac.authorization.k8s.io/v1", "Role", bms, None)
-    role["rules"] = [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
+    role["rules"] = [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]}]  # all the router does
     binding = _manifest("rbac.authorization.k8s.io/v1", "RoleBinding", bms, None)
     binding["roleRef"] = {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name}
     binding["subjects"] = [{"kind": "ServiceAccount", "name": name, "namespace": account["metadata"]["namespace"]}]
