@@ -12,7 +12,7 @@ turns Ready (warmer.py); any other pod that turns Ready or restarts gets every a
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Hashable, Mapping
+from collections.abc import Hashable, Iterable, Mapping
 from typing import Any
 
 import kopf
@@ -340,8 +340,7 @@ async def server_pod_event(
             await _prewarm_ready_pod(ctx, server, info, [w for _, w in entries], body, logger)
     elif not info.is_ready and info.ip:
         ctx.forget_pod(info.admin_url(server.port))
-    for adapter_name, _want in entries:  # let their status follow the pod set now
-        ctx.wakeup(info.namespace, adapter_name).set()
+    _wake(ctx, info.namespace, entries)  # let their status follow the pod set now
 
 
 async def _prewarm_ready_pod(
@@ -353,10 +352,7 @@ async def _prewarm_ready_pod(
     logger: kopf.Logger,
 ) -> None:
     ctx.forget_pod(info.admin_url(server.port))
-    try:
-        errors = await reconcile.prewarm_pod(ctx, server, info, wants)
-    except (ApiException, KeyError) as exc:
-        errors = [f"cannot read the admin token: {exc}"]
+    errors = await reconcile.prewarm_pod(ctx, server, info, wants)
     logger.info(f"pod {info.name} ready: {len(wants)} adapters sent, {len(errors)} failed")
     if errors:
         kopf.warn(body, reason="PrewarmFailed", message="; ".join(errors)[:1000])
@@ -367,12 +363,14 @@ def _warm_inputs(
 ) -> warmer.WarmInputs:
     """The warmer's live views of the indexes for one server."""
 
-    def wake() -> None:
-        for adapter_name, _want in adapters.get(key, []):
-            ctx.wakeup(key[0], adapter_name).set()
-
     return warmer.WarmInputs(
         wants=lambda: [w for _, w in adapters.get(key, [])],
         pods=lambda: list(server_pods.get(key, [])),
-        wake=wake,
+        wake=lambda: _wake(ctx, key[0], adapters.get(key, [])),
     )
+
+
+def _wake(ctx: OperatorContext, namespace: str, entries: Iterable[tuple[str, st.AdapterWant]]) -> None:
+    """Run these adapters' rounds now (their daemons wait on the wakeup)."""
+    for adapter_name, _want in entries:
+        ctx.wakeup(namespace, adapter_name).set()

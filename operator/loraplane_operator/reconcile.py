@@ -251,10 +251,14 @@ async def prewarm_pod(
     ctx: OperatorContext, server: ServerRef, pod: PodInfo, wants: Iterable[st.AdapterWant]
 ) -> list[str]:
     """Register every adapter of the server on a new or restarted pod, prewarming those meant for all pods
-    (adapters prewarmed on N pods are only registered; their own round picks the pods). Errors returned."""
+    (adapters prewarmed on N pods are only registered; their own round picks the pods). Errors returned, an
+    unreadable admin token among them (the adapters' rounds send them later)."""
     url = pod.admin_url(server.port)
     ctx.residency.drop(url)
-    token = await server_token(ctx, server)
+    try:
+        token = await server_token(ctx, server)
+    except (ApiException, KeyError) as exc:
+        return [f"cannot read the admin token: {exc}"]
     admin = ctx.admin(url, token, server.engine)
     traits = TRAITS[server.engine]
 

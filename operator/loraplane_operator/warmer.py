@@ -100,10 +100,7 @@ async def warm_pod(ctx: OperatorContext, server: ServerRef, pod: PodInfo, inputs
 
 async def _send(ctx: OperatorContext, server: ServerRef, pod: PodInfo, inputs: WarmInputs) -> None:
     """Register and prewarm the server's adapters on the pod, then wake their rounds (which place the rest)."""
-    try:
-        errors = await reconcile.prewarm_pod(ctx, server, pod, inputs.wants())
-    except (ApiException, KeyError) as exc:  # the admin token cannot be read now: the rounds send them later
-        errors = [f"cannot read the admin token: {exc}"]
+    errors = await reconcile.prewarm_pod(ctx, server, pod, inputs.wants())
     ctx.warmed[pod.uid] = pod.restarts
     if errors:
         log.warning("pod %s: %d adapters not sent: %s", pod.name, len(errors), "; ".join(errors)[:500])
