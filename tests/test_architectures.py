@@ -37,6 +37,8 @@ from loraplane_server.kernels.triton_attention import triton_available
 from loraplane_server.sampling_params import SamplingParams
 from loraplane_server.store.sources import ModelSourceError
 
+needs_triton = pytest.mark.skipif(not triton_available(), reason="needs triton with CUDA or TRITON_INTERPRET=1")
+
 VOCAB = 512
 # variants: the tiny kind and its config overrides
 VARIANTS: dict[str, tuple[str, dict]] = {
@@ -69,6 +71,9 @@ VARIANTS: dict[str, tuple[str, dict]] = {
         dict(rope_parameters=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=32, rope_theta=1e4)),
     ),
     "gemma3": ("gemma3", {}),
+    # windows far shorter than the prompts: Gemma 3's local layers beside its global one, Mistral's every layer
+    "gemma3-window": ("gemma3", dict(sliding_window=8)),
+    "mistral-window": ("mistral", dict(sliding_window=8)),
     # linear rope scaling on the global layers alone, as every Gemma 3 from 4B up; sqrt(80) is not exact in any
     # dtype, so the embedding scale's rounding counts
     "gemma3-linear": (
@@ -209,7 +214,7 @@ def test_logprobs_match_transformers(variant: str, model_dirs: dict[str, Path], 
         assert torch.equal(chosen, best)
 
 
-@pytest.mark.parametrize("variant", ["qwen3", "phi3", "gemma3", "gemma3-mm"])
+@pytest.mark.parametrize("variant", ["qwen3", "phi3", "gemma3", "gemma3-mm", "gemma3-window"])
 def test_mixed_adapter_batch_matches_peft(variant: str, model_dirs: dict[str, Path], tmp_path: Path) -> None:
     """Three PEFT adapters (ranks 4, 8, 16; q/v, every projection, o/MLP with rsLoRA) and base rows in one
     continuous batch; each adapter's greedy tokens equal PEFT's with that adapter alone (on the multimodal
@@ -429,33 +434,46 @@ def test_unsupported_architectures_fail_at_start_with_the_supported_list(cfg: di
     assert "gemma3 (Gemma3ForConditionalGeneration, text only)" in message
 
 
-def test_a_sliding_window_caps_the_context_where_the_engine_is_exact(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+@pytest.mark.parametrize(
+    ("kind", "overrides", "backend"),
+    [
+        ("mistral", dict(sliding_window=8), "auto"),  # every layer windowed
+        ("gemma3", dict(sliding_window=8), "auto"),  # local (windowed) and global layers
+        ("gemma3", dict(sliding_window=8), "torch"),
+        pytest.param("gemma3", dict(sliding_window=8), "triton", marks=needs_triton),  # its kernels' window
+        ("qwen3", dict(use_sliding_window=True, sliding_window=6, max_window_layers=1), "auto"),  # past the first
+    ],
+)
+def test_sliding_windows_match_transformers_far_past_the_window(
+    kind: str, overrides: dict, backend: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """The paged attention has no window: a Mistral with a 40-token window is served up to 40 tokens (logged),
-    where its windowed attention and full attention agree, and there it equals transformers token for token."""
-    model_dir = save_tiny(tmp_path / "mistral", "mistral", sliding_window=40)
+    """Windowed layers attend the last W positions alone, as transformers masks them: prompts and generations
+    several windows long, chunked prefill (48-token steps) over a cached context, staggered joins, and a repeated
+    prompt whose cached prefix crosses the window, equal transformers token for token; the context is the
+    model's own (nothing capped, nothing logged)."""
+    model_dir = save_tiny(tmp_path / kind, kind, **overrides)
     with caplog.at_level(logging.WARNING, logger="loraplane_server.executor.models.registry"):
-        engine = engine_for(model_dir, tmp_path)
-    assert engine.max_model_len == 40
-    assert "serving at most 40 tokens of context, the sliding attention window" in caplog.text
+        engine = engine_for(model_dir, tmp_path, num_kv_blocks=160, attention_backend=backend)
+    assert backend == "auto" or engine.attention_backend == backend
+    assert engine.max_model_len == 1024 and "serving at most" not in caplog.text
+    windows = engine.runner.model.args.sliding_windows
+    assert windows and 0 < min(w for w in windows if w) < 10  # the test's window, on the layers that have one
     rng = random.Random(5)
-    prompts = [[rng.randrange(VOCAB) for _ in range(n)] for n in (3, 12, 30, 21, 7)]
-    max_new = [40 - len(p) for p in prompts]  # up to the whole window
-    assert run_staggered(engine, prompts, max_new, [0, 0, 1, 3, 4]) == hf_greedy(model_dir, prompts, max_new)
-    out = engine.generate([prompts[0]], SamplingParams(max_new_tokens=100, ignore_eos=True))[0]
-    assert (len(prompts[0]) + len(out.token_ids), out.finish_reason) == (40, "length")
+    prompts = [[rng.randrange(VOCAB) for _ in range(n)] for n in (3, 12, 60, 21, 7)]
+    prompts.append(list(prompts[2]))  # a prefix-cache hit longer than the window
+    max_new = [40, 30, 20, 35, 25, 20]
+    assert run_staggered(engine, prompts, max_new, [0, 0, 1, 3, 4, 30]) == hf_greedy(model_dir, prompts, max_new)
 
 
 @pytest.mark.parametrize(
     ("kind", "overrides", "expected"),
     [
         ("mistral", dict(sliding_window=None), 1024),
-        ("qwen3", dict(use_sliding_window=True, sliding_window=48, max_window_layers=1), 48),
+        ("qwen3", dict(use_sliding_window=True, sliding_window=48, max_window_layers=1), 1024),  # windows cap nothing
         ("qwen3", dict(use_sliding_window=True, sliding_window=48, max_window_layers=3), 1024),  # no window layer
         ("qwen3", dict(use_sliding_window=False, sliding_window=48), 1024),
-        ("gemma3", {}, 96),
-        ("phi3", dict(sliding_window=200), 200),
+        ("gemma3", {}, 1024),
+        ("phi3", dict(sliding_window=200), 1024),
         # YaRN past max_position_embeddings, as Qwen2.5 configs state it (32,768 x 4); without a factor, the config's
         (
             "qwen3",
@@ -572,7 +590,12 @@ def hub_configs() -> dict[str, dict]:
         ),
         "qwen3": dict(llama, model_type="qwen3", head_dim=128, max_position_embeddings=40960, sliding_window=None),
         "gemma-3-1b": gemma,
-        "gemma-3-4b": dict(gemma, rope_scaling=dict(rope_type="linear", factor=8.0), sliding_window=1024),
+        "gemma-3-4b": dict(
+            gemma,
+            rope_scaling=dict(rope_type="linear", factor=8.0),
+            sliding_window=1024,
+            max_position_embeddings=131072,
+        ),
         # as published: a sparse text_config (the rest Gemma3TextConfig's defaults), a SigLIP vision_config
         "gemma-3-4b-it": dict(
             model_type="gemma3",
@@ -612,19 +635,19 @@ def hub_configs() -> dict[str, dict]:
     ("name", "context", "features"),
     [
         ("llama-3.1", 131072, dict(rope_theta=500000.0, is_llama_shaped=True)),
-        ("mistral-v0.1", 4096, dict(is_llama_shaped=True)),
+        ("mistral-v0.1", 32768, dict(is_llama_shaped=True, sliding_windows=(4096,) * 32)),
         ("mistral-v0.3", 32768, dict(is_llama_shaped=True)),
         ("qwen2.5", 32768, dict(qkv_bias=True)),
         ("qwen3", 40960, dict(head_dim=128, qkv_bias=False)),
-        ("gemma-3-1b", 512, dict(attention_scale=1 / 16, local_rope_theta=10000.0, rope_scaling=None)),
-        ("gemma-3-4b", 1024, dict(rope_theta=1e6, local_rope_scaling=None)),
+        ("gemma-3-1b", 32768, dict(attention_scale=1 / 16, local_rope_theta=10000.0, rope_scaling=None)),
+        ("gemma-3-4b", 131072, dict(rope_theta=1e6, local_rope_scaling=None)),
         (
             "gemma-3-4b-it",
-            1024,
+            131072,
             dict(model_type="gemma3_text", num_layers=34, head_dim=256, tie_word_embeddings=True, rope_theta=1e6),
         ),
-        ("phi-3.5-mini", 4096, dict(fused_projections=True, is_llama_shaped=True)),
-        ("phi-3-mini-4k", 2047, dict(fused_projections=True)),
+        ("phi-3.5-mini", 4096, dict(fused_projections=True, is_llama_shaped=True, sliding_windows=())),  # 262,144
+        ("phi-3-mini-4k", 4096, dict(fused_projections=True, sliding_windows=(2047,) * 32)),
         ("phi-4-mini", 4096, dict(head_dim=96, rotated_dims=72, is_llama_shaped=False)),
     ],
 )
@@ -635,6 +658,9 @@ def test_published_config_shapes(name: str, context: int, features: dict) -> Non
     assert {key: getattr(args, key) for key in features} == features
     if name.startswith("gemma"):
         assert "".join(kind[0] for kind in args.layer_types)[:12] == "sssssfsssssf"  # type: ignore[attr-defined]
+        window = cfg.get("sliding_window") or cfg["text_config"]["sliding_window"]
+        kinds = args.layer_types  # type: ignore[attr-defined]
+        assert args.sliding_windows == tuple(window if kind[0] == "s" else 0 for kind in kinds)
     if name.startswith("gemma-3-4b"):
         assert rope_kind(args.rope_scaling) == "linear" and args.rope_scaling["factor"] == 8.0  # type: ignore[index]
 

@@ -12,8 +12,10 @@ def reference(
     tables: torch.Tensor,
     lens: torch.Tensor,
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
-    """Per sequence: its tokens' keys and values in order, softmax(q k^T * scale) v, in fp32."""
+    """Per sequence: its tokens' keys and values in order (its last `window` alone where > 0),
+    softmax(q k^T * scale) v, in fp32."""
     block_size, kvh = k_cache.shape[1], k_cache.shape[2]
     group = q.shape[1] // kvh
     out = []
@@ -22,6 +24,8 @@ def reference(
         blocks = tables[s, : -(-n // block_size)]
         keys = k_cache[blocks].flatten(0, 1)[:n].float().repeat_interleave(group, dim=1)  # [n, H, D]
         values = v_cache[blocks].flatten(0, 1)[:n].float().repeat_interleave(group, dim=1)
+        if window:
+            keys, values = keys[max(0, n - window) :], values[max(0, n - window) :]
         scores = torch.einsum("hd,nhd->hn", q[s].float(), keys) * scale
         out.append(torch.einsum("hn,nhd->hd", scores.softmax(-1), values))
     return torch.stack(out)
@@ -70,15 +74,25 @@ def make_chunk(
 
 
 def prefill_reference(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor, ctx: int, scale: float
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    table: torch.Tensor,
+    ctx: int,
+    scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
-    """Query i (position ctx + i) attends to keys 0..ctx + i, in fp32."""
+    """Query i (position ctx + i) attends to keys 0..ctx + i (those past ctx + i - window alone where window > 0),
+    in fp32."""
     n, heads, _ = q.shape
     keys = k_cache[table].flatten(0, 1)[: ctx + n].float()  # [L, KVH, D]
     values = v_cache[table].flatten(0, 1)[: ctx + n].float()
     group = heads // keys.shape[1]
     keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
     scores = torch.einsum("nhd,lhd->hnl", q.float(), keys) * scale
-    visible = torch.arange(ctx + n)[None, :] <= (ctx + torch.arange(n))[:, None]  # [n, L]
+    keys_at, query_at = torch.arange(ctx + n)[None, :], (ctx + torch.arange(n))[:, None]
+    visible = keys_at <= query_at  # [n, L]
+    if window:
+        visible &= keys_at > query_at - window
     scores = scores.masked_fill(~visible, float("-inf"))
     return torch.einsum("hnl,lhd->nhd", scores.softmax(-1), values)

@@ -172,3 +172,35 @@ def test_engine_falls_back_to_torch_without_the_kernel(tiny_llama_dir) -> None:
     lines = done.stdout.strip().splitlines()
     assert lines[0] == "torch torch"
     assert lines[1].startswith("refused:") and "LORAPLANE_DISABLE_CPU_KERNELS" in lines[1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 80])  # bf16: the AVX kernel at 64, the portable loop at 80
+@pytest.mark.parametrize("window", [1, 7, 16, 100, 1000])
+def test_sliding_window(dtype: torch.dtype, head_dim: int, window: int) -> None:
+    """A sliding-window layer's decode: each row's last `window` positions alone, over lengths that cross
+    blocks and the bf16 kernel's 128-token chunks; the blocks wholly before the window hold NaN (never read)."""
+    block_size, kv_heads, heads = 16, 2, 6
+    lens = torch.tensor([1, 9, 16, 17, 100, 129, 200, 300])
+    g = torch.Generator().manual_seed(window + head_dim)
+    widths = (lens + block_size - 1) // block_size
+    num_blocks = int(widths.sum()) + 3
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    tables = torch.zeros(len(lens), int(widths.max()), dtype=torch.int64)
+    order, used = torch.randperm(num_blocks, generator=g), 0
+    for s, w in enumerate(widths.tolist()):
+        tables[s, :w] = order[used : used + w]
+        used += w
+    q = (torch.randn(len(lens), heads, head_dim, generator=g) * 2).to(dtype)
+    expected = reference(q, k_cache, v_cache, tables, lens, 0.125, window)
+    for s, n in enumerate(lens.tolist()):
+        for b in range(max(0, n - window) // block_size):  # blocks wholly before the window
+            k_cache[tables[s, b]] = float("nan")
+            v_cache[tables[s, b]] = float("nan")
+    out = cpu_kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125, window=window)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
+    if window >= 300:  # no row outgrows it: the same as no window
+        plain = cpu_kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125)
+        assert torch.equal(out, plain)

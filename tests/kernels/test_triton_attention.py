@@ -69,6 +69,32 @@ def test_prefill_matches_causal_attention(
     torch.testing.assert_close(out.float().cpu(), expected, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("window", [1, 5, 16, 40, 500])  # one key; within a block; a block; blocks; past all
+def test_decode_with_a_sliding_window(window: int) -> None:
+    """A sliding-window layer's decode: each row's last `window` positions alone (the blocks before them unread:
+    they hold NaN here)."""
+    q, k_cache, v_cache, tables, lens = make_case(6, 6, 2, 64, 8, torch.float32, seed=window)
+    assert int(lens.max()) > min(window, 24)  # some row reaches past the window (lengths up to 48)
+    for s, n in enumerate(lens.tolist()):  # poison every position before the window
+        for pos in range(max(0, n - window)):
+            k_cache[tables[s, pos // 8], pos % 8] = float("nan")
+    out = paged_decode_attention(*(x.to(DEVICE) for x in (q, k_cache, v_cache, tables, lens)), 0.125, window)
+    torch.testing.assert_close(
+        out.cpu(), reference(q, k_cache, v_cache, tables, lens, 0.125, window), atol=1e-5, rtol=1e-5
+    )
+
+
+@pytest.mark.parametrize(
+    ("n", "ctx", "window"),
+    [(70, 0, 9), (37, 45, 16), (20, 130, 64), (65, 3, 1), (16, 64, 100)],  # a fresh chunk; cached; tiles skipped
+)
+def test_prefill_with_a_sliding_window(n: int, ctx: int, window: int) -> None:
+    q, k_cache, v_cache, table = make_chunk(n, ctx, 6, 2, 64, 4, seed=n + window, dtype=torch.float32)
+    out = paged_prefill_attention(*(x.to(DEVICE) for x in (q, k_cache, v_cache, table)), ctx, 0.125, window=window)
+    expected = prefill_reference(q, k_cache, v_cache, table, ctx, 0.125, window)
+    torch.testing.assert_close(out.cpu(), expected, atol=1e-5, rtol=1e-5)
+
+
 def test_prefill_ignores_stale_rows_and_writes_strided_out() -> None:
     """Rows of the last block past the chunk hold a former owner's NaN and inf: never read; out may be a view."""
     n, ctx, block_size = 21, 14, 16

@@ -33,6 +33,7 @@ class ForwardBatch:
     decode_context_lens: torch.Tensor | None  # [Bd] int64, including the new token
     # [Bd, 1, 1, max_blocks * block_size] bool: set by the torch attention backend's prepare (its own alone)
     decode_mask: torch.Tensor | None = None
+    decode_window_masks: dict[int, torch.Tensor] = field(default_factory=dict)  # the same, per sliding window
     prefills: list[PrefillChunk] = field(default_factory=list)
     logits_indices: torch.Tensor | None = None  # [S] rows whose next token is sampled
     lora: LoRABatch | None = None  # per-token adapter slots; None when no token has an adapter

@@ -233,12 +233,13 @@ def paged_decode_attention(
     context_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """q: [S, H, D]; caches: [N, B, KVH, D]; block_tables: [S, W]; context_lens: [S] -> [S, H, D], written
-    into `out` when given (rows may be strided)."""
+    into `out` when given (rows may be strided); window > 0: each row's last `window` positions alone."""
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    torch.ops.loraplane.paged_decode_attention_(out, q, k_cache, v_cache, block_tables, context_lens, scale)
+    torch.ops.loraplane.paged_decode_attention_(out, q, k_cache, v_cache, block_tables, context_lens, scale, window)
     return out
 
 

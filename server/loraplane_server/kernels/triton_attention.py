@@ -43,6 +43,7 @@ def _paged_decode_kernel(
     group: int,
     head_dim: int,
     block_size: int,
+    window: int,  # a sliding window: the last `window` positions alone; 0: all of them
     BLOCK_G: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -61,9 +62,10 @@ def _paged_decode_kernel(
     denom = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     num_blocks = tl.cdiv(ctx, block_size)
-    for b in range(0, num_blocks):
+    first = tl.maximum(ctx - window, 0) if window > 0 else 0  # the blocks wholly before it are never read
+    for b in range(first // block_size, num_blocks):
         block = tl.load(tables_ptr + s * table_stride + b)
-        token_mask = (t < block_size) & (b * block_size + t < ctx)
+        token_mask = (t < block_size) & (b * block_size + t < ctx) & (b * block_size + t >= first)
         offs = block * cache_block_stride + t[:, None] * (num_kv_heads * head_dim) + h * head_dim + d[None, :]
         kv_mask = token_mask[:, None] & (d < head_dim)[None, :]
         k = tl.load(k_ptr + offs, mask=kv_mask, other=0.0).to(tl.float32)  # [N, D]
@@ -87,8 +89,10 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
-    """q: [S, H, D]; caches: [N, B, KVH, D]; block_tables: [S, W] int64; context_lens: [S] (>= 1) -> [S, H, D]."""
+    """q: [S, H, D]; caches: [N, B, KVH, D]; block_tables: [S, W] int64; context_lens: [S] (>= 1) -> [S, H, D];
+    window > 0: each row attends its last `window` positions alone (a sliding-window layer)."""
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, cache_dim = k_cache.shape
     if cache_dim != head_dim or num_heads % num_kv_heads:
@@ -117,6 +121,7 @@ def paged_decode_attention(
         group,
         head_dim,
         block_size,
+        window,
         BLOCK_G=max(triton.next_power_of_2(group), 1),
         BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_N=triton.next_power_of_2(block_size),
@@ -140,6 +145,7 @@ def _paged_prefill_kernel(
     group: int,
     head_dim: int,
     block_size: int,
+    window: int,  # a sliding window: keys within `window` positions of the query alone; 0: every earlier key
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -161,7 +167,10 @@ def _paged_prefill_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     end = tl.minimum(ctx + m0 + BLOCK_M, ctx + num_query)  # keys past the tile's last query are never seen
     head_offset = (h // group) * head_dim
-    for n0 in range(0, end, BLOCK_N):
+    start = 0
+    if window > 0:  # the key tiles wholly before the tile's first query's window are never read
+        start = (tl.maximum(ctx + m0 - window + 1, 0) // BLOCK_N) * BLOCK_N
+    for n0 in range(start, end, BLOCK_N):
         keys = n0 + t
         key_mask = keys < end
         block = tl.load(table_ptr + keys // block_size, mask=key_mask, other=0)
@@ -171,10 +180,14 @@ def _paged_prefill_kernel(
         k = tl.load(k_ptr + offs, mask=kv_mask, other=0.0).to(DOT_DTYPE)  # [N, D]
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [M, N]
         visible = (keys[None, :] <= query_pos[:, None]) & key_mask[None, :]
+        if window > 0:
+            visible = visible & (keys[None, :] > query_pos[:, None] - window)
         scores = tl.where(visible, scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(scores - m_new[:, None])
+        # a row that has seen no key yet (a window starting past this tile) keeps its zeros, not -inf - -inf
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_safe)
+        p = tl.exp(scores - m_safe[:, None])
         denom = denom * alpha + tl.sum(p, axis=1)
         v = tl.load(v_ptr + offs, mask=kv_mask, other=0.0).to(DOT_DTYPE)  # [N, D]
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PRECISION)
@@ -193,10 +206,12 @@ def paged_prefill_attention(
     num_context_tokens: int,
     scale: float,
     out: torch.Tensor | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """One prefill chunk's causal attention over its cached context plus itself, both read from the cache:
     q [n, H, D] at positions ctx .. ctx + n - 1 (the chunk's own keys and values already written);
-    caches [N, B, KVH, D]; block_table [W] int64 covering ctx + n positions -> out [n, H, D]."""
+    caches [N, B, KVH, D]; block_table [W] int64 covering ctx + n positions -> out [n, H, D]; window > 0: a
+    query at p attends keys p - window < j <= p alone (a sliding-window layer)."""
     num_query, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, cache_dim = k_cache.shape
     if cache_dim != head_dim or num_heads % num_kv_heads:
@@ -216,7 +231,7 @@ def paged_prefill_attention(
         out, q, k_cache, v_cache, table,
         num_context_tokens, num_query, scale,
         q.stride(0), out.stride(0),
-        num_kv_heads, num_heads // num_kv_heads, head_dim, block_size,
+        num_kv_heads, num_heads // num_kv_heads, head_dim, block_size, window,
         **_dot_args(q.dtype), BLOCK_M=block_m, BLOCK_N=64, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
     )  # fmt: skip
     return out

@@ -1,6 +1,10 @@
 """The attention backend interface: a backend, chosen once at engine start, writes each step's keys and
 values into the paged KV cache, then attends: the decode rows (one query each) in one batched call, each
-prefill chunk on its own (few per step), over its cached context plus itself."""
+prefill chunk on its own (few per step), over its cached context plus itself.
+
+A layer with a sliding window (`window` W > 0: Mistral's every layer, Gemma 3's local ones) attends, from a query at
+position p, the keys at positions p - W < j <= p alone, as transformers masks it (masking_utils'
+sliding_window_overlay: kv_idx > q_idx - W); 0 is full causal attention."""
 
 from __future__ import annotations
 
@@ -40,8 +44,10 @@ class AttentionBackend(ABC):
         batch: ForwardBatch,
         scale: float,
         out: torch.Tensor,
+        window: int = 0,
     ) -> None:
-        """out [Bd, H, D] = each decode row's query q [Bd, H, D] over its sequence's cached blocks."""
+        """out [Bd, H, D] = each decode row's query q [Bd, H, D] over its sequence's cached blocks (the last
+        `window` positions of them where window > 0)."""
 
     @abstractmethod
     def prefill(
@@ -54,9 +60,10 @@ class AttentionBackend(ABC):
         chunk: PrefillChunk,
         scale: float,
         out: torch.Tensor,
+        window: int = 0,
     ) -> None:
         """out [n, H, D] = one prefill chunk's causal attention (q [n, H, D], its own k, v [n, KVH, D],
-        already in the cache too) over its cached context plus itself."""
+        already in the cache too) over its cached context plus itself (within `window` where > 0)."""
 
     def forward(
         self,
@@ -67,14 +74,15 @@ class AttentionBackend(ABC):
         v_cache: torch.Tensor,
         batch: ForwardBatch,
         scale: float,
+        window: int = 0,
     ) -> torch.Tensor:
         """q: [T, H, D], k/v: [T, KVH, D] for this step's tokens (decode rows first) -> [T, H, D]."""
         self.write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
         out = torch.empty_like(q)
         nd = batch.num_decode_tokens
         if nd:
-            self.decode(q[:nd], k_cache, v_cache, batch, scale, out[:nd])
+            self.decode(q[:nd], k_cache, v_cache, batch, scale, out[:nd], window)
         for chunk in batch.prefills:
             rows = slice(chunk.query_start, chunk.query_start + chunk.num_query_tokens)
-            self.prefill(q[rows], k[rows], v[rows], k_cache, v_cache, chunk, scale, out[rows])
+            self.prefill(q[rows], k[rows], v[rows], k_cache, v_cache, chunk, scale, out[rows], window)
         return out

@@ -31,10 +31,11 @@ class CPUKernelAttention(TorchAttention):
         batch: ForwardBatch,
         scale: float,
         out: torch.Tensor,
+        window: int = 0,
     ) -> None:
         assert batch.decode_block_tables is not None and batch.decode_context_lens is not None
         tables, lens = batch.decode_block_tables, batch.decode_context_lens
-        cpu_kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, out=out)
+        cpu_kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, out=out, window=window)
 
     def prefill(
         self,
@@ -46,7 +47,11 @@ class CPUKernelAttention(TorchAttention):
         chunk: PrefillChunk,
         scale: float,
         out: torch.Tensor,
+        window: int = 0,
     ) -> None:
+        if window:  # the prefill kernel has no window yet: the torch path, exact
+            super().prefill(q, k, v, k_cache, v_cache, chunk, scale, out, window)
+            return
         if not cpu_kernels.prefill_kernel_applies(q):
             super().prefill(q, k, v, k_cache, v_cache, chunk, scale, out)
             return

@@ -24,6 +24,7 @@ class TorchAttention(AttentionBackend):
             return
         span = torch.arange(batch.decode_block_tables.shape[1] * block_size, device=batch.positions.device)
         batch.decode_mask = (span < batch.decode_context_lens.unsqueeze(1))[:, None, None, :]
+        batch.decode_window_masks = {}
 
     def write_kv(
         self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
@@ -43,19 +44,23 @@ class TorchAttention(AttentionBackend):
         batch: ForwardBatch,
         scale: float,
         out: torch.Tensor,
+        window: int = 0,
     ) -> None:
+        if batch.decode_mask is None:  # a kernel backend's windowed layer, here since its kernel has no window
+            TorchAttention.prepare(self, batch, k_cache.shape[1])
         assert batch.decode_block_tables is not None and batch.decode_mask is not None
+        mask = _window_mask(batch, window) if window else batch.decode_mask
         bd, h, d = q.shape
         kvh = k_cache.shape[2]
         keys = _gather(k_cache, batch.decode_block_tables).transpose(1, 2)  # [Bd, KVH, L, D]
         values = _gather(v_cache, batch.decode_block_tables).transpose(1, 2)
         # masked positions are padding or another sequence's stale rows: zeroed, as a NaN there would reach
         # this row through SDPA (0 x NaN)
-        outside = ~batch.decode_mask.transpose(-1, -2)  # [Bd, 1, L, 1]
+        outside = ~mask.transpose(-1, -2)  # [Bd, 1, L, 1]
         keys, values = keys.masked_fill_(outside, 0.0), values.masked_fill_(outside, 0.0)
         # the query heads of one kv group ride the query-length axis: no kv repeat needed
         qg = q.view(bd, kvh, h // kvh, d)  # [Bd, KVH, G, D]
-        attn = F.scaled_dot_product_attention(qg, keys, values, attn_mask=batch.decode_mask, scale=scale)
+        attn = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=scale)
         out.copy_(attn.reshape(bd, h, d))
 
     def prefill(
@@ -68,10 +73,11 @@ class TorchAttention(AttentionBackend):
         chunk: PrefillChunk,
         scale: float,
         out: torch.Tensor,
+        window: int = 0,
     ) -> None:
         n, ctx = chunk.num_query_tokens, chunk.num_context_tokens
         qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-        if ctx == 0:
+        if ctx == 0 and not 0 < window < n:  # a fresh chunk the window spans whole: plain causal on its own k, v
             keys, values = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)  # [1, KVH, n, D]
             attn = F.scaled_dot_product_attention(qh, keys, values, is_causal=True, scale=scale, enable_gqa=True)
         else:
@@ -79,9 +85,24 @@ class TorchAttention(AttentionBackend):
             keys = _gather(k_cache, chunk.block_table)[:total].transpose(0, 1).unsqueeze(0)  # [1, KVH, L, D]
             values = _gather(v_cache, chunk.block_table)[:total].transpose(0, 1).unsqueeze(0)
             qpos = torch.arange(ctx, total, device=q.device).unsqueeze(1)
-            mask = torch.arange(total, device=q.device).unsqueeze(0) <= qpos  # [n, L]
+            kpos = torch.arange(total, device=q.device).unsqueeze(0)
+            mask = kpos <= qpos  # [n, L]
+            if window:
+                mask &= kpos > qpos - window
             attn = F.scaled_dot_product_attention(qh, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
         out.copy_(attn.squeeze(0).transpose(0, 1))  # [n, H, D]
+
+
+def _window_mask(batch: ForwardBatch, window: int) -> torch.Tensor:
+    """The decode mask of a layer with a sliding window: each row's last `window` positions (once a step per
+    window size, kept on the batch for the layers after)."""
+    assert batch.decode_mask is not None and batch.decode_context_lens is not None
+    mask = batch.decode_window_masks.get(window)
+    if mask is None:
+        span = torch.arange(batch.decode_mask.shape[-1], device=batch.decode_mask.device)
+        inside = span >= (batch.decode_context_lens - window).unsqueeze(1)
+        mask = batch.decode_window_masks[window] = batch.decode_mask & inside[:, None, None, :]
+    return mask
 
 
 def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:

@@ -35,10 +35,16 @@ class ModelArgs:
     rotary_dim: int = 0  # the rotated dims of a head (a partial rotary's share); 0: all of them
     attention_scale: float = 0.0  # 0: head_dim ** -0.5
     fused_projections: bool = False  # the checkpoint holds FUSED_PROJECTIONS (Phi-3), split at load
+    # each layer's sliding attention window (0: full attention); () when no layer has one
+    sliding_windows: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.hidden_act not in ACTIVATIONS:
             raise ValueError(f"hidden_act {self.hidden_act!r} is not supported (supported: {', '.join(ACTIVATIONS)})")
+
+    def window(self, layer_idx: int) -> int:
+        """The layer's sliding attention window, 0 for full attention."""
+        return self.sliding_windows[layer_idx] if self.sliding_windows else 0
 
     @property
     def rotated_dims(self) -> int:
@@ -75,4 +81,22 @@ class ModelArgs:
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             hidden_act=cfg.get("hidden_act", "silu"),
             rotary_dim=int(head_dim * partial),  # as transformers rounds a partial rotary's dims
+            sliding_windows=layer_windows(cfg),
         )
+
+
+def layer_windows(cfg: dict) -> tuple[int, ...]:
+    """Each layer's sliding window from a normalized config: `sliding_window` on the layers `layer_types` calls
+    sliding_attention (Gemma 3's local layers, Qwen2/3's under max_window_layers), on every layer without
+    layer_types (Mistral, Phi-3); () when the config has no window, or one no sequence can outgrow (Phi-3.5's
+    262,144 over its 131,072 positions)."""
+    window = int(cfg.get("sliding_window") or 0)
+    layer_types = cfg.get("layer_types")
+    if (
+        not window
+        or window >= cfg.get("max_position_embeddings", 4096)
+        or (layer_types is not None and "sliding_attention" not in layer_types)
+    ):
+        return ()
+    n = cfg["num_hidden_layers"]
+    return tuple(window if layer_types is None or layer_types[i] == "sliding_attention" else 0 for i in range(n))

@@ -1,8 +1,8 @@
 """Gemma 3 (text): (1 + w) RMSNorms, also on q and k per head; the embedding scaled by sqrt(hidden); a
 gelu-tanh MLP between pre- and post-feed-forward norms, attention output normed before the residual add;
 query_pre_attn_scalar as the attention scale; two rope bases (local for sliding-window layers, global for
-full-attention ones); optional final logit softcapping. Sliding windows: executor/models/registry.py caps the context
-at the window, where full attention is exact.
+full-attention ones); optional final logit softcapping. The local layers attend within their sliding window
+(ModelArgs.sliding_windows, attention/base.py).
 
 Gemma 3 4B/12B/27B (Gemma3ForConditionalGeneration) are served as their language model: its text_config, its
 weights (executor/models/loader.py skips VISION_MODULES unread; adapters/weights.py refuses adapters on them)."""

@@ -43,6 +43,7 @@ class Attention(nn.Module):
         self.scale = args.attention_scale or args.head_dim**-0.5
         self.kernel_rotary = args.is_llama_shaped  # the CPU rotary kernel rotates whole heads
         self.layer_idx = layer_idx
+        self.window = args.window(layer_idx)  # sliding attention window, 0: full
         self.kernels = False  # the bf16 CPU layer kernels; this and the backend: LlamaForCausalLM.use_backends
         self.triton = False  # the Triton layer ops (CUDA): rotary
         self.backend: AttentionBackend = TorchAttention()
@@ -71,7 +72,7 @@ class Attention(nn.Module):
             triton_layer_ops.rotary_(q, k, *cos_sin)  # in place
         else:
             q, k = apply_rotary(q, k, *cos_sin)
-        out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], batch, self.scale)  # [T, H, D]
+        out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], batch, self.scale, self.window)  # [T, H, D]
         if rows is not None and batch.logits_indices is not None:
             return self.o(out.reshape(t, q_size)[batch.logits_indices], rows)
         return self.o(out.reshape(t, q_size), batch)
@@ -242,6 +243,7 @@ class LlamaForCausalLM(nn.Module):
             and backends.attention.cpu_kernels  # the fused layer attends with those kernels
             and self.can_fuse_layers
             and self.args.is_llama_shaped
+            and not any(self.args.sliding_windows)  # the fused layer's attention has no window (yet)
         )
         for module in self.modules():
             if isinstance(module, Attention):

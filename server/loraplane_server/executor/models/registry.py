@@ -89,25 +89,15 @@ def build(args: ModelArgs, max_positions: int) -> LlamaForCausalLM:
     return FAMILIES[args.model_type].model_class(args, max_positions)  # type: ignore[arg-type]
 
 
-def sliding_window(cfg: dict) -> int | None:
-    """The attention window of a normalized config, when some layer has one (Mistral, Phi-3: every layer;
-    Qwen2/3: layer_types from use_sliding_window and max_window_layers; Gemma 3: its local layers)."""
-    window = cfg.get("sliding_window")
-    layer_types = cfg.get("layer_types")
-    if not window or (layer_types is not None and "sliding_attention" not in layer_types):
-        return None
-    return int(window)
-
-
 def max_context(cfg: dict) -> int:
     """The longest sequence this engine serves the model at exactly, logged where it is shorter than the
-    model's own context. The paged attention has no window, so a sliding-window model runs up to its window
-    (where full attention is the same computation); LongRoPE up to original_max_position_embeddings (where
-    transformers, too, uses the short factors). YaRN's context is its factor times the original length where
+    model's own context. Sliding windows are attended as the model does (attention/base.py), so they cap
+    nothing; LongRoPE runs up to original_max_position_embeddings (where transformers, too, uses the short
+    factors). YaRN's context is its factor times the original length where
     that is longer than max_position_embeddings (Qwen2.5's configs keep 32,768 there and extend it 4x)."""
     norm = normalized(cfg)
     limit = int(norm.get("max_position_embeddings") or 4096)
-    caps = {"the sliding attention window": sliding_window(norm)}
+    caps: dict[str, int | None] = {}
     rope = norm.get("rope_parameters") or {}
     if rope_kind(rope) == "yarn" and rope.get("factor") and rope.get("original_max_position_embeddings"):
         limit = max(limit, int(rope["factor"] * rope["original_max_position_embeddings"]))

@@ -17,7 +17,7 @@ TORCH_LIBRARY(loraplane, m) {
   // paged_attention_cpu.cpp: decode attention over the paged KV cache, and the cache writes
   m.def(
       "paged_decode_attention_(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-      "Tensor context_lens, float scale) -> ()");
+      "Tensor context_lens, float scale, int window=0) -> ()");
   m.def("write_kv_(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor slot_mapping) -> ()");
   // prefill_attention_cpu.cpp: causal attention of one prefill chunk over its cached context
   m.def(

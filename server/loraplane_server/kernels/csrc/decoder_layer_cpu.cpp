@@ -95,7 +95,8 @@ Tensor decoder_layer_(Tensor& x, const Tensor& h, const c10::intrusive_ptr<Layer
   if (num_decode > 0) {
     const OptTensor tables = step.get(3), lens = step.get(4);  // present: checked above
     Tensor out = attn.narrow(0, 0, num_decode);
-    paged_decode_attention_(out, q.narrow(0, 0, num_decode), k_cache, v_cache, *tables, *lens, w->scale);
+    // no window: a model with sliding-window layers does not fuse its layers (models/llama.py)
+    paged_decode_attention_(out, q.narrow(0, 0, num_decode), k_cache, v_cache, *tables, *lens, w->scale, 0);
   }
   for (size_t c = 0; c < chunk_tables.size(); ++c) {
     const int64_t start = chunks[3 * c], n = chunks[3 * c + 1], ctx = chunks[3 * c + 2];

@@ -54,7 +54,7 @@ void bgmv_packed_(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed
 // paged_attention_cpu.cpp
 void paged_decode_attention_(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                              const at::Tensor& v_cache, const at::Tensor& block_tables,
-                             const at::Tensor& context_lens, double scale);
+                             const at::Tensor& context_lens, double scale, int64_t window);
 void write_kv_(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k, const at::Tensor& v,
                const at::Tensor& slot_mapping);
 // prefill_attention_cpu.cpp

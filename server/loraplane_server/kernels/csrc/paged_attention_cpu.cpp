@@ -196,7 +196,7 @@ void decode_kernel(
     T* out, const T* q, const T* k_cache, const T* v_cache, const int64_t* block_tables,
     const int64_t* context_lens, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
     int64_t head_dim, int64_t block_size, int64_t table_width, int64_t q_stride, int64_t out_stride,
-    int64_t cache_block_stride, float scale) {
+    int64_t cache_block_stride, float scale, int64_t window) {
   const int64_t group = num_heads / num_kv_heads;
   at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     const int64_t D = HD > 0 ? HD : head_dim;  // a constant inside the loops when HD > 0
@@ -213,9 +213,12 @@ void decode_kernel(
       std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
       std::fill(l.begin(), l.end(), 0.f);
       const int64_t num_blocks = (ctx + block_size - 1) / block_size;
-      for (int64_t b = 0; b < num_blocks; ++b) {
-        const int64_t n = std::min(block_size, ctx - b * block_size);
-        const int64_t base = table[b] * cache_block_stride + kvh * D;
+      // a sliding window: the positions first .. ctx - 1 alone; the blocks before it are never read
+      const int64_t first = window > 0 ? std::max<int64_t>(0, ctx - window) : 0;
+      for (int64_t b = first / block_size; b < num_blocks; ++b) {
+        const int64_t skip = std::max<int64_t>(0, first - b * block_size);  // rows of the block before it
+        const int64_t n = std::min(block_size, ctx - b * block_size) - skip;
+        const int64_t base = table[b] * cache_block_stride + kvh * D + skip * row_stride;
         if (b + 1 < num_blocks) {
           const int64_t next = table[b + 1] * cache_block_stride + kvh * D;
           prefetch_block(k_cache + next, v_cache + next, block_size, row_stride, D);
@@ -604,7 +607,7 @@ void decode_kernel_bf16(c10::BFloat16* out, const c10::BFloat16* q, const c10::B
                         const c10::BFloat16* v_cache, const int64_t* block_tables, const int64_t* context_lens,
                         int64_t num_seqs, int64_t num_kv_heads, int64_t group, int64_t block_size,
                         int64_t table_width, int64_t q_stride, int64_t out_stride, int64_t cache_block_stride,
-                        float scale) {
+                        float scale, int64_t window) {
   using BF = c10::BFloat16;
   using Isa = DecodeIsa<HD>;
   constexpr int64_t QV = Isa::kQueryVecs, AV = Isa::kAccVecs;
@@ -636,7 +639,10 @@ void decode_kernel_bf16(c10::BFloat16* out, const c10::BFloat16* q, const c10::B
       std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
       std::fill(l.begin(), l.end(), 0.f);
       std::fill(accbuf.begin(), accbuf.end(), Isa::zero());
-      for (int64_t b0 = 0; b0 < num_blocks; b0 += chunk_blocks) {
+      // a sliding window: positions first .. ctx - 1 alone; the blocks wholly before it are never read, and the
+      // rows of its first block before it get no weight (-inf scores)
+      const int64_t first = window > 0 ? std::max<int64_t>(0, ctx - window) : 0;
+      for (int64_t b0 = first / block_size; b0 < num_blocks; b0 += chunk_blocks) {
         const int64_t b1 = std::min(num_blocks, b0 + chunk_blocks);
         const int64_t n_chunk = std::min(ctx, b1 * block_size) - b0 * block_size;
         // scores: block b's rows at (b - b0) * block_size; a block's stores past its rows are
@@ -653,6 +659,10 @@ void decode_kernel_bf16(c10::BFloat16* out, const c10::BFloat16* q, const c10::B
             Isa::scores16(kb + t0 * row_stride, std::min<int64_t>(16, n - t0), row_stride, qv.data(), group, scale,
                           scores.data() + (b - b0) * block_size + t0, stride);
           }
+        }
+        if (const int64_t skip = first - b0 * block_size; skip > 0) {
+          for (int64_t g = 0; g < group; ++g)
+            std::fill_n(scores.data() + g * stride, skip, -std::numeric_limits<float>::infinity());
         }
         for (int64_t g = 0; g < group; ++g) {  // online softmax over the chunk, weights to bf16
           const float* sg = scores.data() + g * stride;
@@ -677,11 +687,13 @@ void decode_kernel_bf16(c10::BFloat16* out, const c10::BFloat16* q, const c10::B
 namespace loraplane_cpu {
 
 // out, q: [S, H, D] (rows may be strided, heads and dims contiguous); caches: [N, B, KVH, D]
-// contiguous within a block; block_tables: [S, W] int64; context_lens: [S] int64 (>= 1).
+// contiguous within a block; block_tables: [S, W] int64; context_lens: [S] int64 (>= 1); window > 0: each
+// row attends its last `window` positions alone (a sliding-window layer), 0: all of them.
 void paged_decode_attention_(
     at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-    const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
+    const at::Tensor& block_tables, const at::Tensor& context_lens, double scale, int64_t window) {
   TORCH_CHECK(q.device().is_cpu(), "paged_decode_attention_: CPU tensors only");
+  TORCH_CHECK(window >= 0, "paged_decode_attention_: window must be >= 0 (0: none)");
   TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(), "q and out must be [S, H, D] of one shape");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(), "caches must be [N, B, KVH, D]");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && out.scalar_type() == q.scalar_type() &&
@@ -714,10 +726,10 @@ void paged_decode_attention_(
     const float sc = static_cast<float>(scale);
     if (head_dim == 64)
       decode_kernel_bf16<64>(o, qp, kp, vp, tp, lp, num_seqs, num_kv_heads, group, block_size, w, q.stride(0),
-                             out.stride(0), cbs, sc);
+                             out.stride(0), cbs, sc, window);
     else
       decode_kernel_bf16<128>(o, qp, kp, vp, tp, lp, num_seqs, num_kv_heads, group, block_size, w, q.stride(0),
-                              out.stride(0), cbs, sc);
+                              out.stride(0), cbs, sc, window);
     return;
   }
 #endif
@@ -726,7 +738,7 @@ void paged_decode_attention_(
       kernel(out.data_ptr<scalar_t>(), q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
              v_cache.data_ptr<scalar_t>(), block_tables.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(),
              num_seqs, num_heads, num_kv_heads, head_dim, block_size, block_tables.size(1), q.stride(0),
-             out.stride(0), k_cache.stride(0), static_cast<float>(scale));
+             out.stride(0), k_cache.stride(0), static_cast<float>(scale), window);
     };
     if (head_dim == 64) {
       run(decode_kernel<scalar_t, 64>);
