@@ -188,8 +188,15 @@ def engine_for(model_dir: Path, tmp: Path, **overrides: object) -> LLMEngine:
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_greedy_matches_transformers(variant: str, attention: str, model_dirs: dict[str, Path], tmp_path: Path) -> None:
     model_dir = model_dirs[variant]
-    engine = engine_for(model_dir, tmp_path, attention_backend=attention)
+    # a model windowed on every layer holds a window's blocks, not a context's (16-token steps: at most 7 blocks
+    # of 4 each), so 10 blocks still preempt
+    windowed = variant == "mistral-window"
+    sizes = dict(num_kv_blocks=10, max_num_batched_tokens=16) if windowed else {}
+    engine = engine_for(model_dir, tmp_path, attention_backend=attention, **sizes)
+    assert (engine.block_manager.window > 0) == windowed
     prompts, max_new, join = prompts_within(min(engine.max_model_len, 96), seed=7)
+    if windowed:  # requests longer than the whole KV cache
+        assert max(len(p) + n for p, n in zip(prompts, max_new, strict=True)) > 10 * 4
     free0 = engine.block_manager.num_free_blocks
     assert run_staggered(engine, prompts, max_new, join) == hf_greedy(model_dir, prompts, max_new)
     assert engine.block_manager.num_free_blocks == free0

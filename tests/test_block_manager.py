@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from loraplane_server.engine.block_manager import BlockManager, chain_hash
+from loraplane_server.engine.block_manager import PLACEHOLDER, BlockManager, chain_hash, peak_blocks
 from loraplane_server.sampling_params import SamplingParams
 from loraplane_server.sequence import Sequence
 
@@ -45,7 +45,7 @@ def grow(bm: BlockManager, seq: Sequence, tokens: int) -> None:
 def check_consistent(bm: BlockManager, live: list[Sequence]) -> None:
     refs = [0] * bm.num_blocks
     for seq in live:
-        for block_id in seq.block_table:
+        for block_id in seq.block_table[seq.num_released_blocks :]:  # a window's released entries are not its own
             refs[block_id] += 1
     assert [b.ref_count for b in bm.blocks] == refs
     assert not set(bm.free) & set(bm.room)
@@ -376,3 +376,64 @@ def test_room_goes_to_whoever_needs_a_block_once_the_free_list_is_empty() -> Non
     assert c.block_table == [0, 3] and bm.num_free_blocks == 0
     assert not bm.can_allocate(Sequence("r", [9], SamplingParams(max_new_tokens=1)), 1)
     check_consistent(bm, [c, d])
+
+
+# sliding windows: blocks no query reads again go back
+
+
+@pytest.mark.parametrize(
+    ("tokens", "window", "step", "peak"),
+    [(100, 0, 16, 25), (100, 8, 16, 7), (100, 8, 1, 3), (10, 8, 16, 3), (100, 1, 1, 2), (100, 64, 16, 21)],
+)
+def test_peak_blocks(tokens: int, window: int, step: int, peak: int) -> None:
+    assert peak_blocks(tokens, BS, window, step) == peak
+    assert BlockManager(4, BS, window=window, step_tokens=step).peak_blocks(tokens) == peak
+
+
+def test_a_window_releases_the_blocks_no_query_reads_and_holds_at_most_its_peak() -> None:
+    window = 6
+    bm = BlockManager(20, BS, window=window, step_tokens=4)
+    seq = Sequence("r", list(range(1, 11)), SamplingParams(max_new_tokens=30))
+    prefill(bm, seq)  # 10 computed: the next query (position 10) reads positions 5.. -> block 0 goes
+    assert seq.num_released_blocks == 1 and seq.block_table[0] == PLACEHOLDER
+    assert bm.blocks[0].ref_count == 0 and 0 in bm.free and bm.blocks[0].block_hash is not None  # still cached
+    check_consistent(bm, [seq])
+    for _ in range(30):
+        seq.append_token(7)
+        bm.allocate(seq, 1)
+        seq.num_computed_tokens += 1
+        bm.commit(seq)
+        held = len(seq.block_table) - seq.num_released_blocks
+        assert seq.num_released_blocks == max(0, seq.num_computed_tokens - window + 1) // BS
+        assert held <= bm.peak_blocks(len(seq))
+        check_consistent(bm, [seq])
+    bm.free_seq(seq)
+    assert seq.num_released_blocks == 0 and bm.num_free_blocks == 20
+    check_consistent(bm, [])
+
+
+def test_a_window_prefix_hit_needs_only_the_blocks_its_next_query_reads() -> None:
+    bm = BlockManager(20, BS, window=6)
+    tokens = list(range(1, 17))  # 4 full blocks
+    first = make_seq(tokens)
+    prefill(bm, first)
+    owned = list(first.block_table)
+    bm.free_seq(first)
+    assert owned[:2] == [PLACEHOLDER] * 2  # released while it ran (the next query read 11..)
+    evict = []
+    while 0 in bm.free:  # block 0 (the first block's) evicted: a hit no longer finds it
+        evict.append(take_one(bm, 99))
+    probe = make_seq([*tokens, 0])
+    hit = bm.find_cached_blocks(probe)
+    assert len(hit) == 4 and hit[:2] == [-1, -1] and -1 not in hit[2:]  # position 16 reads from 11: blocks 2, 3
+    assert BlockManager(20, BS).find_cached_blocks(probe) == []  # without the window the hit stops at block 0
+    prefill(bm, probe)
+    assert probe.num_cached_tokens == 16 and probe.num_released_blocks == 3  # 17 computed: position 17 reads 12..
+    check_consistent(bm, [probe, *evict])
+    again = make_seq([*tokens, 1])
+    bm.free_seq(probe)
+    held = bm.find_cached_blocks(again)
+    assert hit[2] in bm.free
+    while hit[2] in bm.free:  # a block the next query reads evicted: the hit shrinks to what it can use
+        evict.append(take_one(bm, 98))
+    assert bm.find_cached_blocks(again) == [] and len(held) == 4

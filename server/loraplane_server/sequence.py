@@ -59,6 +59,7 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.block_table: list[int] = []
+        self.num_released_blocks = 0  # leading block_table entries a sliding window no longer reads (not ours)
         self.lora_slot: int | None = None  # device slot while running with an adapter
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
         self.num_cached_tokens = 0  # of those, found in the prefix cache
@@ -113,6 +114,7 @@ class Sequence:
     def reset_for_recompute(self) -> None:
         """Preempted: forget the KV blocks; prompt and output so far are recomputed later."""
         self.block_table = []
+        self.num_released_blocks = 0
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
         self.num_preemptions += 1

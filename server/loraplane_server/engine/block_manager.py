@@ -21,6 +21,14 @@ A neighbour is taken ahead of its turn only if it is free and unclaimed, and eit
 prefix or would be evicted soon anyway: at most 1/8 of the free list was freed before it
 (`freed_at` ticks). So a freed sequence's run is reused as a run, and a block whose cached prefix
 is fresher than that keeps its place in the eviction order.
+
+Sliding windows. When every layer attends only the last `window` positions (Mistral v0.1, Phi-3-mini-4k,
+Qwen with every layer under max_window_layers), a block wholly before the window of a sequence's next query
+is never read again: `commit` releases it (the sequence's first `num_released_blocks` table entries are then
+not its own, kept as placeholders that every attention backend skips or masks). A released block keeps its
+prefix-cache hash like any freed block. A prefix hit needs only the blocks its next query's window reads, so
+the blocks before them may have been evicted. A long request then holds about window + step tokens of KV,
+not its whole context. A hybrid model (Gemma 3's global layers) reads every block and releases none.
 """
 
 from __future__ import annotations
@@ -39,6 +47,18 @@ class Block:
     token_ids: tuple[int, ...] = field(default_factory=tuple)
 
 
+PLACEHOLDER = 0  # the table entry of a released block: a valid index, never read unmasked
+
+
+def peak_blocks(num_tokens: int, block_size: int, window: int = 0, step_tokens: int = 0) -> int:
+    """The most blocks a sequence of num_tokens tokens holds at once: all of them, or with a window (and
+    steps of at most step_tokens) the blocks from its window's first to its step's last."""
+    blocks = -(-num_tokens // block_size)
+    if not window:
+        return blocks
+    return min(blocks, -(-(window - 1 + max(1, step_tokens)) // block_size) + 1)
+
+
 def chain_hash(prev: int | None, adapter_id: str | None, token_ids: tuple[int, ...]) -> int:
     return hash((prev, adapter_id if prev is None else None, token_ids))
 
@@ -47,8 +67,19 @@ class BlockManager:
     ROOM_BLOCKS = 8  # most blocks a sequence holds claimed ahead of its growth
     EARLY_FRACTION = 8  # a cached free block may be taken early if at most 1/8 of the free list precedes it
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        window: int = 0,
+        step_tokens: int = 0,
+    ) -> None:
+        """window > 0: no layer attends further back than `window` positions (see the module's docstring);
+        step_tokens: the most tokens a sequence computes in one step (its peak blocks with a window)."""
         self.block_size = block_size
+        self.window = window
+        self.step_tokens = step_tokens
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
@@ -74,10 +105,19 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def peak_blocks(self, num_tokens: int) -> int:
+        """The most blocks a sequence of num_tokens tokens holds at once."""
+        return peak_blocks(num_tokens, self.block_size, self.window, self.step_tokens)
+
+    def first_read_block(self, num_computed: int) -> int:
+        """The first block that queries at positions >= num_computed read (0 without a window)."""
+        return max(0, num_computed - self.window + 1) // self.block_size if self.window else 0
+
     # prefix cache
     def find_cached_blocks(self, seq: Sequence) -> list[int]:
         """Block ids holding a prefix of seq's tokens; always leaves at least one token to compute. None for a
-        request that wants its prompt's logprobs: every prompt position is computed for them."""
+        request that wants its prompt's logprobs: every prompt position is computed for them. With a window,
+        the entries before the blocks the next query reads are -1 (not needed, maybe evicted)."""
         if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             return []
         found: list[int] = []
@@ -87,29 +127,37 @@ class BlockManager:
             prev = chain_hash(prev, seq.adapter_id, tokens)
             block_id = self.cached.get(prev)
             if block_id is None or self.blocks[block_id].token_ids != tokens:
-                break
+                if not self.window:
+                    break
+                block_id = -1
             found.append(block_id)
-        return found
+        hit = len(found)  # the longest prefix whose next query finds every block it reads
+        while hit and -1 in found[self.first_read_block(hit * self.block_size) : hit]:
+            hit -= 1
+        first = self.first_read_block(hit * self.block_size)
+        return [-1] * first + found[first:hit]
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int, cached: list[int] | None = None) -> bool:
         if seq.block_table or not cached:
             held, computed, revived = len(seq.block_table), seq.num_computed_tokens, 0
         else:
             held, computed = len(cached), len(cached) * self.block_size
-            revived = sum(1 for b in cached if self.blocks[b].ref_count == 0)
+            revived = sum(1 for b in cached if b >= 0 and self.blocks[b].ref_count == 0)
         return self.blocks_needed(computed + num_new_tokens) - held + revived <= self.num_free_blocks
 
     def allocate(self, seq: Sequence, num_new_tokens: int, cached: list[int] | None = None) -> None:
         """Give seq blocks for its next num_new_tokens tokens, taking the cached prefix first."""
         if cached and not seq.block_table:
-            for block_id in cached:
+            seq.num_released_blocks = cached.count(-1)  # the leading entries a window no longer reads
+            seq.block_table = [PLACEHOLDER] * seq.num_released_blocks
+            for block_id in cached[seq.num_released_blocks :]:
                 block = self.blocks[block_id]
                 if block.ref_count == 0:
                     self._unfree(block_id)
                 block.ref_count += 1
                 seq.block_table.append(block_id)
             seq.num_computed_tokens = seq.num_cached_tokens = len(cached) * self.block_size
-            self.block_hashes[seq.seq_id] = [self.blocks[b].block_hash for b in cached]  # type: ignore[misc]
+            self.block_hashes[seq.seq_id] = self._hashes(seq, len(cached))
         if cached is not None:  # admission: count the prefix-cache lookup
             self.num_prefix_queries += len(seq)
             self.num_prefix_hits += seq.num_cached_tokens
@@ -194,10 +242,28 @@ class BlockManager:
         block.block_hash, block.token_ids, block.ref_count = None, (), 1
         return block_id
 
+    def _hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
+        """The chained hashes of seq's first num_blocks blocks."""
+        hashes: list[int] = []
+        for i in range(num_blocks):
+            hashes.append(
+                chain_hash(hashes[-1] if hashes else None, seq.adapter_id, tuple(seq.block_tokens(i, self.block_size)))
+            )
+        return hashes
+
     def commit(self, seq: Sequence) -> None:
-        """Register seq's newly completed full blocks in the prefix cache."""
-        if not self.enable_prefix_caching:
-            return
+        """Register seq's newly completed full blocks in the prefix cache; with a window, release the blocks
+        its next queries no longer read."""
+        if self.enable_prefix_caching:
+            self._register(seq)
+        if self.window:
+            upto = min(self.first_read_block(seq.num_computed_tokens), len(seq.block_table))
+            for i in range(seq.num_released_blocks, upto):
+                self._drop(seq.block_table[i])
+                seq.block_table[i] = PLACEHOLDER
+            seq.num_released_blocks = max(seq.num_released_blocks, upto)
+
+    def _register(self, seq: Sequence) -> None:
         hashes = self.block_hashes.setdefault(seq.seq_id, [])
         for i in range(len(hashes), seq.num_computed_tokens // self.block_size):
             tokens = tuple(seq.block_tokens(i, self.block_size))
@@ -233,12 +299,17 @@ class BlockManager:
             self.free[block_id] = None
             self.free.move_to_end(block_id, last=False)
         self.direction.pop(seq.seq_id, None)
-        for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.free[block_id] = None
-                self.freed_at[block_id] = self.clock
-                self.clock += 1
+        for block_id in reversed(seq.block_table[seq.num_released_blocks :]):
+            self._drop(block_id)
         seq.block_table = []
+        seq.num_released_blocks = 0
         self.block_hashes.pop(seq.seq_id, None)
+
+    def _drop(self, block_id: int) -> None:
+        """One reference fewer; the last one frees the block (its cached contents kept, newest in the LRU)."""
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.free[block_id] = None
+            self.freed_at[block_id] = self.clock
+            self.clock += 1

@@ -21,7 +21,7 @@ from loraplane_server.adapters.manager import AdapterManager
 from loraplane_server.adapters.orchestrator import AdapterOrchestrator
 from loraplane_server.adapters.slot_table import SlotTable
 from loraplane_server.config import CPU_KV_CACHE_BYTES, EngineConfig
-from loraplane_server.engine.block_manager import BlockManager
+from loraplane_server.engine.block_manager import BlockManager, peak_blocks
 from loraplane_server.engine.input_processor import CheckedPrompt, InputProcessor
 from loraplane_server.engine.scheduler import Scheduler
 from loraplane_server.engine.snapshot import EngineSnapshot, take_snapshot
@@ -133,11 +133,17 @@ class LLMEngine:
         self.memory_plan: MemoryPlan | None = None
         if gpu_free is not None and config.num_kv_blocks is None and config.kv_cache_bytes is None:
             phase("profiling a step for the GPU memory budget")
-            self.memory_plan = self._plan_gpu_memory(model, block_bytes, gpu_free)
+            self.memory_plan = self._plan_gpu_memory(model, draft_args, block_bytes, gpu_free)
             log.info("%s; %d adapter slots", self.memory_plan.describe(), config.max_loras)
         graphs = self._graphs_mode()
         num_blocks = self._num_blocks(block_bytes) - (graphs is not None)  # the plan's last block: graphs' scratch
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager = BlockManager(
+            num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            window=self._kv_window(model.args, draft_args),
+            step_tokens=config.max_num_batched_tokens,
+        )
         manager = AdapterManager(
             model.args,
             self.dtype,
@@ -221,7 +227,9 @@ class LLMEngine:
         free, total = torch.cuda.mem_get_info(self.device)
         return total, free
 
-    def _plan_gpu_memory(self, model: LlamaForCausalLM, block_bytes: int, gpu_free: tuple[int, int]) -> MemoryPlan:
+    def _plan_gpu_memory(
+        self, model: LlamaForCausalLM, draft_args: ModelArgs | None, block_bytes: int, gpu_free: tuple[int, int]
+    ) -> MemoryPlan:
         """Profile the largest step on a KV cache just big enough for it, then give the KV cache what the budget
         leaves (device.py); a model that does not fit raises GPUMemoryError with the bytes."""
         config = self.config
@@ -242,8 +250,23 @@ class LLMEngine:
             peak - profile_kv,
             non_torch,
             block_bytes,
-            min_blocks=-(-self.max_model_len // config.block_size) + 1,  # + decode graphs' scratch block
+            # one request of the longest context, + the decode graphs' scratch block
+            min_blocks=peak_blocks(
+                self.max_model_len,
+                config.block_size,
+                self._kv_window(model.args, draft_args),
+                config.max_num_batched_tokens,
+            )
+            + 1,
         )
+
+    @staticmethod
+    def _kv_window(args: ModelArgs, draft_args: ModelArgs | None) -> int:
+        """The window past which no layer reads a sequence's KV blocks (the block manager releases what lies
+        before it), or 0: some layer attends everything (Gemma 3's global layers), or a draft model shares the
+        blocks (its own positions may lag the target's)."""
+        windows = args.sliding_windows
+        return max(windows) if windows and all(windows) and draft_args is None else 0
 
     def _graphs_mode(self) -> str | None:
         """capture: decode steps as CUDA graphs (on CUDA, the Triton attention and LoRA backends, unless

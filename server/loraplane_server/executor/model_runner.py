@@ -279,7 +279,7 @@ class ModelRunner:
     def _set_aside(self, seq: Sequence) -> None:
         """A sequence whose logits went non-finite: its KV blocks zeroed (a block's next owner never reads a
         stale NaN), the sequence handed to the engine to fail alone."""
-        self.kv_caches[:, :, seq.block_table] = 0
+        self.kv_caches[:, :, seq.block_table[seq.num_released_blocks :]] = 0  # its own blocks alone
         self.nonfinite.append(seq)
 
     def take_nonfinite(self) -> list[Sequence]:
