@@ -1,8 +1,8 @@
 """The architectures beyond Llama (Qwen3, Phi-3, Gemma 3 text and multimodal; Mistral's window), each on a tiny
 random model built from transformers' own config class: greedy token-for-token parity with transformers under
 continuous batching (joins, prefix hits, preemption), a mixed batch of PEFT adapters (different ranks and
-targets, Phi-3's fused ones included) equal to PEFT per adapter, bf16 runs scored by the fp32 model, the
-context capped where the engine would not be exact, and unsupported architectures refused at start."""
+targets, Phi-3's fused ones included) equal to PEFT per adapter, bf16 runs scored by the fp32 model, LongRoPE
+past its original length, each model's context, and unsupported architectures refused at start."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ from test_multi_lora_peft import run_mixed
 from lora_helpers import make_peft_adapter, peft_greedy, teacher_forced
 from loraplane_server.adapters.weights import AdapterError, load_lora
 from loraplane_server.config import EngineConfig
+from loraplane_server.engine.kv_groups import HybridBlocks
 from loraplane_server.engine.llm_engine import LLMEngine
 from loraplane_server.executor.layers.rotary import rope_kind
 from loraplane_server.executor.models import loader, registry
@@ -194,6 +195,9 @@ def test_greedy_matches_transformers(variant: str, attention: str, model_dirs: d
     sizes = dict(num_kv_blocks=10, max_num_batched_tokens=16) if windowed else {}
     engine = engine_for(model_dir, tmp_path, attention_backend=attention, **sizes)
     assert (engine.block_manager.window > 0) == windowed
+    # Gemma 3's sliding layers keep their K/V in a pool of their own, which releases what the window passed
+    windows = engine.runner.model.args.sliding_windows
+    assert isinstance(engine.block_manager, HybridBlocks) == (any(windows) and not all(windows))
     prompts, max_new, join = prompts_within(min(engine.max_model_len, 96), seed=7)
     if windowed:  # requests longer than the whole KV cache
         assert max(len(p) + n for p, n in zip(prompts, max_new, strict=True)) > 10 * 4
@@ -202,6 +206,32 @@ def test_greedy_matches_transformers(variant: str, attention: str, model_dirs: d
     assert engine.block_manager.num_free_blocks == free0
     assert engine.block_manager.num_prefix_hits > 0
     assert engine.scheduler.num_preemptions > 0  # 40 blocks of 4 tokens for up to 6 sequences
+    if isinstance(engine.block_manager, HybridBlocks):  # every window block back
+        assert engine.block_manager.windows.num_free_blocks == engine.block_manager.windows.num_blocks
+
+
+def test_gemma3_sliding_layers_hold_a_window_of_kv(model_dirs: dict[str, Path], tmp_path: Path) -> None:
+    """A long request on Gemma 3 (local layers windowed at 8 tokens beside a global one): its global layers
+    hold the whole context, its sliding layers' pool a window and a step (blocks of 4), and the tokens are
+    transformers'."""
+    model_dir = model_dirs["gemma3-window"]
+    engine = engine_for(model_dir, tmp_path, num_kv_blocks=40, max_num_batched_tokens=16)
+    blocks = engine.block_manager
+    assert isinstance(blocks, HybridBlocks)
+    prompt = [random.Random(3).randrange(VOCAB) for _ in range(70)]
+    rid = engine.add_request(prompt, SamplingParams(max_new_tokens=40))
+    seq = engine.requests[rid]
+    held: list[tuple[int, int]] = []  # (global, window) blocks held after each step
+    tokens: list[int] = []
+    while not tokens:
+        for out in engine.step():
+            tokens = out.token_ids if out.finished else tokens
+        if not seq.is_finished:
+            held.append((len(seq.block_table), len(seq.window_table) - seq.window_released))
+    assert tokens == hf_greedy(model_dir, [prompt], [40])[0]
+    assert max(g for g, _ in held) == 27  # the global layers: the whole context (108 positions before the end)
+    assert max(w for _, w in held) <= blocks.windows.peak_blocks(110) == 7  # (8 - 1 + 16) / 4 + 1
+    assert held[-1][1] <= 3  # decoding: the window's 8 positions span at most 3 blocks
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -447,29 +477,89 @@ def test_unsupported_architectures_fail_at_start_with_the_supported_list(cfg: di
         ("mistral", dict(sliding_window=8), "auto"),  # every layer windowed
         ("gemma3", dict(sliding_window=8), "auto"),  # local (windowed) and global layers
         ("gemma3", dict(sliding_window=8), "torch"),
-        pytest.param("gemma3", dict(sliding_window=8), "triton", marks=needs_triton),  # its kernels' window
+        # the Triton kernels' window, decodes through the graphs' static buffers (both pools' tables)
+        pytest.param("gemma3", dict(sliding_window=8), "triton", marks=needs_triton),
         ("qwen3", dict(use_sliding_window=True, sliding_window=6, max_window_layers=1), "auto"),  # past the first
     ],
 )
 def test_sliding_windows_match_transformers_far_past_the_window(
-    kind: str, overrides: dict, backend: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    kind: str,
+    overrides: dict,
+    backend: str,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Windowed layers attend the last W positions alone, as transformers masks them: prompts and generations
     several windows long, chunked prefill (48-token steps) over a cached context, staggered joins, and a repeated
     prompt whose cached prefix crosses the window, equal transformers token for token; the context is the
     model's own (nothing capped, nothing logged)."""
     model_dir = save_tiny(tmp_path / kind, kind, **overrides)
+    sizes: dict = dict(num_kv_blocks=160, attention_backend=backend)
+    if backend == "triton":  # as on CUDA: Triton LoRA, decode steps through the graphs' static buffers
+        sizes |= dict(lora_backend="triton", layer_backend="triton")
+        monkeypatch.setattr(LLMEngine, "_graphs_mode", lambda self: "eager")
     with caplog.at_level(logging.WARNING, logger="loraplane_server.executor.models.registry"):
-        engine = engine_for(model_dir, tmp_path, num_kv_blocks=160, attention_backend=backend)
+        engine = engine_for(model_dir, tmp_path, **sizes)
     assert backend == "auto" or engine.attention_backend == backend
     assert engine.max_model_len == 1024 and "serving at most" not in caplog.text
     windows = engine.runner.model.args.sliding_windows
     assert windows and 0 < min(w for w in windows if w) < 10  # the test's window, on the layers that have one
     rng = random.Random(5)
+    lengths, max_new, join = (3, 12, 60, 21, 7), [40, 30, 20, 35, 25, 20], [0, 0, 1, 3, 4, 30]
+    if backend == "triton":  # the interpreter is slow: fewer, shorter
+        lengths, max_new, join = (12, 60), [24, 12, 12], [0, 0, 8]
+    prompts = [[rng.randrange(VOCAB) for _ in range(n)] for n in lengths]
+    prompts.append(list(prompts[lengths.index(60)]))  # a prefix-cache hit longer than the window
+    assert run_staggered(engine, prompts, max_new, join) == hf_greedy(model_dir, prompts, max_new)
+    graphs = engine.runner.graphs
+    assert (graphs is not None and graphs.num_replays > 10) == (backend == "triton")
+
+
+@pytest.mark.requires_bf16_kernels
+def test_windowed_layers_fuse_in_bf16(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 on the CPU kernels, a model windowed on every layer (Mistral, an 8-token window; head_dim 64, so the
+    prefill kernel applies): the one-call decoder layer runs, the layer's window in its decode and prefill
+    attention, over chunks of a cached context whose blocks before the window were released (their table entries
+    placeholders: block 0, someone else's); its tokens are the unfused layers' (the same kernels one by one) and
+    follow the fp32 model."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir = save_tiny(tmp_path / "mistral", "mistral", sliding_window=8, head_dim=64)
+    seen = {"decode": False, "context": False, "released": False}
+    layer = cpu_kernels.decoder_layer
+
+    def counted(*args: Any) -> torch.Tensor:
+        step, tables, chunks, num_decode = args[5], args[6], args[7], args[9]
+        seen["decode"] |= num_decode > 0
+        seen["context"] |= any(ctx > 0 for ctx in chunks[2::3])
+        # a table holds each of its own blocks once: block 0 twice or more is released blocks' placeholders
+        rows = [*tables, *(step[3] if num_decode else [])]
+        seen["released"] |= any(int((row == 0).sum()) > 1 for row in rows)
+        return layer(*args)
+
+    monkeypatch.setattr(cpu_kernels, "decoder_layer", counted)
+    rng = random.Random(5)
     prompts = [[rng.randrange(VOCAB) for _ in range(n)] for n in (3, 12, 60, 21, 7)]
     prompts.append(list(prompts[2]))  # a prefix-cache hit longer than the window
     max_new = [40, 30, 20, 35, 25, 20]
-    assert run_staggered(engine, prompts, max_new, [0, 0, 1, 3, 4, 30]) == hf_greedy(model_dir, prompts, max_new)
+    tokens = {}
+    for fuse in (True, False):
+        engine = engine_for(
+            model_dir, tmp_path / f"fuse-{fuse}", dtype="bfloat16", layer_backend="cpu_kernel", fuse_layers=fuse
+        )
+        assert engine.attention_backend == "cpu_kernel" and engine.runner.model.fused_layers == fuse
+        tokens[fuse] = run_staggered(engine, prompts, max_new, [0, 0, 1, 3, 4, 30])
+        if fuse:
+            assert all(seen.values()), seen
+    assert tokens[True] == tokens[False]
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    gaps = []
+    for prompt, out in zip(prompts, tokens[True], strict=True):
+        chosen, best = teacher_forced(hf, prompt, out)
+        gaps.append(best - chosen)
+    gap = torch.cat(gaps)
+    assert float((gap < 1e-4).float().mean()) >= 0.9 and gap.max() < 0.5, gap.topk(3).values
 
 
 @pytest.mark.parametrize(
@@ -498,16 +588,70 @@ def test_sliding_windows_match_transformers_far_past_the_window(
             ),
             1024,
         ),
+        # LongRoPE: its long factors past the original 128 positions
         (
             "phi3",
             dict(VARIANTS["phi3-longrope"][1], rope_scaling=dict(VARIANTS["phi3-longrope"][1]["rope_scaling"])),
-            128,
+            1024,
         ),
     ],
 )
 def test_context_limits(kind: str, overrides: dict, expected: int, tmp_path: Path) -> None:
     model_dir = save_tiny(tmp_path / kind, kind, **overrides)
     assert registry.max_context(json.loads((model_dir / "config.json").read_text())) == expected
+
+
+# LongRoPE over an original length of 32 in a 256-token context, as Phi-4-mini (a partial rotary): long factors far
+# from the short ones, so a token computed with the wrong set changes the greedy tokens
+LONGROPE_PAST_ORIGINAL = dict(
+    partial_rotary_factor=0.75,
+    max_position_embeddings=256,
+    original_max_position_embeddings=32,
+    rope_scaling=dict(type="longrope", short_factor=[1.0, 1.2, 1.5, 2.0, 3.0, 4.0], long_factor=[24.0] * 6),
+)
+Requests = tuple[Path, list[list[int]], list[int], list[list[int]]]  # model, prompts, max_new, transformers' tokens
+
+
+@pytest.fixture(scope="module")
+def longrope_requests(tmp_path_factory: pytest.TempPathFactory) -> Requests:
+    """The model, prompts within and past the original length (a repeat of one of each), their max_new and
+    transformers' greedy tokens."""
+    model_dir = save_tiny(tmp_path_factory.mktemp("phi3-longrope-32"), "phi3", **LONGROPE_PAST_ORIGINAL)
+    rng = random.Random(11)
+    prompts = [[rng.randrange(VOCAB) for _ in range(n)] for n in (9, 25, 32, 40, 70)]
+    prompts += [list(prompts[1]), list(prompts[4])]
+    max_new = [40, 30, 20, 25, 30, 30, 10]
+    return model_dir, prompts, max_new, hf_greedy(model_dir, prompts, max_new)
+
+
+@pytest.mark.parametrize("speculative", ["off", "ngram"])
+def test_longrope_past_the_original_length(
+    speculative: str,
+    longrope_requests: Requests,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """LongRoPE served past original_max_position_embeddings equals transformers' generate token for token:
+    prompts within it that generate past it (generate recomputes the whole sequence with the long factors when it
+    outgrows the original length, and so does the engine), prompts longer than it in 16-token chunks, a repeat of
+    each that hits the prefix cache under its own factors, staggered joins, preemptions (40 blocks of 4 tokens);
+    with prompt lookup's proposals, none past the short factors' last position."""
+    model_dir, prompts, max_new, expected = longrope_requests
+    engine = engine_for(model_dir, tmp_path, max_num_batched_tokens=16, speculative=speculative)
+    assert engine.max_model_len == 256 and engine.runner.model.rotary.original == 32
+    lookups: list[tuple[bool, int]] = []  # each prefix-cache lookup: (long factors, blocks found)
+    find = engine.block_manager.find_cached_blocks
+
+    def find_spied(seq: Any, *args: Any) -> list[int]:
+        found = find(seq, *args)
+        lookups.append((seq.rope_long, len(found)))
+        return found
+
+    monkeypatch.setattr(engine.block_manager, "find_cached_blocks", find_spied)
+    assert run_staggered(engine, prompts, max_new, [0, 0, 2, 3, 5, 3, 12]) == expected
+    assert any(long and n for long, n in lookups) and any(not long and n for long, n in lookups)
+    assert engine.scheduler.num_preemptions > 0
+    assert (engine.speculator.proposed_total > 0) == (speculative == "ngram")
 
 
 @pytest.mark.requires_cpu_kernels
@@ -653,9 +797,9 @@ def hub_configs() -> dict[str, dict]:
             131072,
             dict(model_type="gemma3_text", num_layers=34, head_dim=256, tie_word_embeddings=True, rope_theta=1e6),
         ),
-        ("phi-3.5-mini", 4096, dict(fused_projections=True, is_llama_shaped=True, sliding_windows=())),  # 262,144
+        ("phi-3.5-mini", 131072, dict(fused_projections=True, is_llama_shaped=True, sliding_windows=())),  # 262,144
         ("phi-3-mini-4k", 4096, dict(fused_projections=True, sliding_windows=(2047,) * 32)),
-        ("phi-4-mini", 4096, dict(head_dim=96, rotated_dims=72, is_llama_shaped=False)),
+        ("phi-4-mini", 131072, dict(head_dim=96, rotated_dims=72, is_llama_shaped=False)),
     ],
 )
 def test_published_config_shapes(name: str, context: int, features: dict) -> None:
@@ -725,3 +869,19 @@ def test_dynamic_ntk_is_refused_with_the_supported_list() -> None:
 
     with pytest.raises(ValueError, match="'dynamic'.*yarn"):
         rope_inv_freq(64, 1e4, {"rope_type": "dynamic", "factor": 2.0})
+
+
+@pytest.mark.parametrize(("kind", "overrides", "longest"), [("qwen3", {}, 40), ("mistral", dict(sliding_window=8), 0)])
+def test_the_log_says_when_the_kv_cache_holds_less_than_the_context(
+    kind: str, overrides: dict, longest: int, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """10 blocks of 4 tokens hold one 40-token request of a full-attention model, and any request of a model
+    windowed (8 tokens) on every layer: the log names the bound (0: none below the context)."""
+    model_dir = save_tiny(tmp_path / kind, kind, **overrides)
+    with caplog.at_level(logging.INFO, logger="loraplane.engine"):
+        engine = engine_for(model_dir, tmp_path, num_kv_blocks=10, max_num_batched_tokens=16, max_model_len=512)
+    assert engine.max_model_len == 512
+    if longest:
+        assert f"holds one request of at most {longest} tokens" in caplog.text and "(--max-model-len)" in caplog.text
+    else:
+        assert "context: 512 tokens (--max-model-len); one request of it fits the KV cache" in caplog.text

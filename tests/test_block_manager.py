@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from loraplane_server.engine.block_manager import PLACEHOLDER, BlockManager, chain_hash, peak_blocks
+from loraplane_server.engine.kv_groups import GroupHit, HybridBlocks, window_view
 from loraplane_server.sampling_params import SamplingParams
 from loraplane_server.sequence import Sequence
 
@@ -437,3 +438,28 @@ def test_a_window_prefix_hit_needs_only_the_blocks_its_next_query_reads() -> Non
     while hit[2] in bm.free:  # a block the next query reads evicted: the hit shrinks to what it can use
         evict.append(take_one(bm, 98))
     assert bm.find_cached_blocks(again) == [] and len(held) == 4
+
+
+def test_hybrid_pools_hit_with_the_global_prefix_and_the_window_alone() -> None:
+    """Global and sliding layers (kv_groups.py): the global pool holds every block, the sliding pool a window;
+    a hit takes the global prefix and the sliding blocks its next query reads; both pools come back whole."""
+    hb = HybridBlocks(20, 12, BS, window=6)
+    tokens = list(range(1, 17))
+    first = make_seq(tokens)
+    prefill(hb, first)
+    assert len(first.block_table) == 4 and first.num_released_blocks == 0  # the global layers keep it all
+    assert first.window_released == 2 and first.window_table[:2] == [PLACEHOLDER] * 2
+    check_consistent(hb, [first])
+    check_consistent(hb.windows, [window_view(first)])
+    hb.free_seq(first)
+    probe = make_seq([*tokens, 0])
+    hit = hb.find_cached_blocks(probe)
+    assert isinstance(hit, GroupHit) and len(hit) == 4 and -1 not in hit
+    assert hit.window[:2] == [-1, -1] and -1 not in hit.window[2:]
+    prefill(hb, probe)
+    assert probe.num_cached_tokens == 16 and probe.window_released == 3
+    check_consistent(hb, [probe])
+    check_consistent(hb.windows, [window_view(probe)])
+    hb.free_seq(probe)
+    assert hb.num_free_blocks == 20 and hb.windows.num_free_blocks == 12
+    assert probe.window_table == [] and probe.block_table == []

@@ -421,9 +421,10 @@ def test_nonfinite_rows_drop_their_whole_sequence() -> None:
         seq.block_table = [i]
     logits = torch.arange(5 * 4, dtype=torch.float32).view(5, 4)  # rows: plain, spec x 3, other
     logits[2, 1] = float("nan")
-    runner = SimpleNamespace(kv_caches=torch.ones(1, 2, 3, 1), nonfinite=[])
+    runner = SimpleNamespace(kv_pools=[torch.ones(1, 2, 3, 1)], window_layers=[], nonfinite=[])
     runner._set_aside = lambda seq: ModelRunner._set_aside(runner, seq)  # type: ignore[arg-type]
     kept, seqs = ModelRunner._drop_nonfinite(runner, logits, [plain, spec, other])  # type: ignore[arg-type]
     assert seqs == [plain, other] and runner.nonfinite == [spec]
     assert torch.equal(kept, logits[[0, 4]])
-    assert runner.kv_caches[:, :, 1].eq(0).all() and runner.kv_caches[:, :, [0, 2]].eq(1).all()
+    cache = runner.kv_pools[0]
+    assert cache[:, :, 1].eq(0).all() and cache[:, :, [0, 2]].eq(1).all()

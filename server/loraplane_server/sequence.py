@@ -6,6 +6,7 @@ from __future__ import annotations
 import enum
 import itertools
 import time
+from collections.abc import Hashable
 from typing import TYPE_CHECKING
 
 from loraplane_server.detokenizer import Detokenizer
@@ -48,7 +49,9 @@ class Sequence:
         prompt_token_ids: list[int],
         params: SamplingParams,
         adapter_id: str | None = None,
+        rope_original: int | None = None,
     ) -> None:
+        """rope_original: the model's LongRoPE original_max_position_embeddings; None for any other rope."""
         self.seq_id = next(_ids)
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)  # shared by every RequestOutput: never changed
@@ -56,10 +59,16 @@ class Sequence:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
         self.adapter_id = adapter_id
+        # LongRoPE: whether its K/V hold the long factors, which transformers computes a sequence longer than
+        # the original length with (executor/layers/rotary.py); a prompt that long has them from its first token
+        self.rope_original = rope_original
+        self.rope_long = rope_original is not None and self.num_prompt_tokens > rope_original
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.block_table: list[int] = []
         self.num_released_blocks = 0  # leading block_table entries a sliding window no longer reads (not ours)
+        self.window_table: list[int] = []  # a hybrid model's sliding layers' blocks (engine/kv_groups.py)
+        self.window_released = 0  # its num_released_blocks
         self.lora_slot: int | None = None  # device slot while running with an adapter
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
         self.num_cached_tokens = 0  # of those, found in the prefix cache
@@ -100,6 +109,23 @@ class Sequence:
         return self.spec.proposed if self.spec is not None else []
 
     @property
+    def prefix_key(self) -> Hashable:
+        """What seeds its prefix-cache chain (block_manager.chain_hash): its adapter, and under LongRoPE which
+        factors its K/V hold, so a block is only ever shared by sequences that computed it alike."""
+        return (self.adapter_id, "longrope") if self.rope_long else self.adapter_id
+
+    @property
+    def rope_switch_at(self) -> int | None:
+        """The length at which its K/V, computed with LongRoPE's short factors, are recomputed with the long
+        ones (so no step feeds a token past the original length to the short ones); None where none is due."""
+        return None if self.rope_long or self.rope_original is None else self.rope_original + 1
+
+    @property
+    def rope_switch_due(self) -> bool:
+        switch_at = self.rope_switch_at
+        return switch_at is not None and len(self) >= switch_at
+
+    @property
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
 
@@ -115,10 +141,13 @@ class Sequence:
         """Preempted: forget the KV blocks; prompt and output so far are recomputed later."""
         self.block_table = []
         self.num_released_blocks = 0
+        self.window_table = []
+        self.window_released = 0
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
         self.num_preemptions += 1
         if self.spec is not None:
             self.spec.proposed = []
             self.spec.draft_computed = 0
+        self.rope_long = self.rope_long or self.rope_switch_due  # recomputed as transformers computes it now
         self.status = SequenceStatus.WAITING

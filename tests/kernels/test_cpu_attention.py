@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from attention_cases import make_case, reference
+from attention_cases import make_case, make_chunk, prefill_reference, reference
 from loraplane_server.kernels import cpu_kernels
 
 pytestmark = pytest.mark.requires_cpu_kernels
@@ -203,4 +203,31 @@ def test_sliding_window(dtype: torch.dtype, head_dim: int, window: int) -> None:
     torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
     if window >= 300:  # no row outgrows it: the same as no window
         plain = cpu_kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125)
+        assert torch.equal(out, plain)
+
+
+@pytest.mark.requires_bf16_kernels
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(6, 2, 64), (8, 2, 128), (5, 5, 64)])
+@pytest.mark.parametrize("window", [1, 5, 16, 21, 70, 1000])  # one token, under a block, a block, off both, past all
+@pytest.mark.parametrize(
+    ("n", "ctx"),
+    [(37, 0), (100, 0), (45, 70), (1, 130), (9, 200), (80, 150), (64, 3)],  # fresh prompts; chunks over a context
+)
+def test_prefill_sliding_window(n: int, ctx: int, window: int, heads: int, kv_heads: int, head_dim: int) -> None:
+    """A sliding-window layer's prefill chunk (csrc/prefill_attention_cpu.cpp): query i at position ctx + i sees
+    positions ctx + i - window + 1 .. ctx + i alone, across query tiles of 32 and key tiles of 64; the blocks
+    wholly before the chunk's first window hold NaN (the block manager may have released them: never read)."""
+    block_size = 16
+    q, k_cache, v_cache, table = make_chunk(n, ctx, heads, kv_heads, head_dim, block_size, seed=n + ctx + window)
+    scale = head_dim**-0.5
+    expected = prefill_reference(q, k_cache, v_cache, table, ctx, scale, window)
+    plain = torch.empty_like(q)
+    cpu_kernels.paged_prefill_attention(plain, q, k_cache, v_cache, table, ctx, scale)
+    for b in range(max(0, ctx - window + 1) // block_size):
+        k_cache[table[b]] = float("nan")
+        v_cache[table[b]] = float("nan")
+    out = torch.full_like(q, float("nan"))
+    cpu_kernels.paged_prefill_attention(out, q, k_cache, v_cache, table, ctx, scale, window)
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+    if window >= ctx + n:  # no query outgrows it: the same bits as no window
         assert torch.equal(out, plain)

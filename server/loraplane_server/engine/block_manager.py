@@ -1,7 +1,8 @@
 """Paged KV-cache bookkeeping: blocks, reference counts, prefix caching. No torch here.
 
 A full block is identified by a chained hash: hash(previous block's hash, its tokens), where the
-chain starts from the adapter id, so two adapters never share prefix blocks. A block whose
+chain starts from the adapter id, so two adapters never share prefix blocks (Sequence.prefix_key: under
+LongRoPE, with the factors the block was computed with). A block whose
 reference count drops to zero goes to the free list but keeps its hash and contents until the
 free list hands it out again (least recently freed first), so a later request may revive it.
 
@@ -34,6 +35,7 @@ not its whole context. A hybrid model (Gemma 3's global layers) reads every bloc
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 from loraplane_server.sequence import Sequence
@@ -59,8 +61,8 @@ def peak_blocks(num_tokens: int, block_size: int, window: int = 0, step_tokens: 
     return min(blocks, -(-(window - 1 + max(1, step_tokens)) // block_size) + 1)
 
 
-def chain_hash(prev: int | None, adapter_id: str | None, token_ids: tuple[int, ...]) -> int:
-    return hash((prev, adapter_id if prev is None else None, token_ids))
+def chain_hash(prev: int | None, prefix_key: Hashable, token_ids: tuple[int, ...]) -> int:
+    return hash((prev, prefix_key if prev is None else None, token_ids))
 
 
 class BlockManager:
@@ -114,36 +116,50 @@ class BlockManager:
         return max(0, num_computed - self.window + 1) // self.block_size if self.window else 0
 
     # prefix cache
-    def find_cached_blocks(self, seq: Sequence) -> list[int]:
+    def find_cached_blocks(self, seq: Sequence, at_most: int | None = None) -> list[int]:
         """Block ids holding a prefix of seq's tokens; always leaves at least one token to compute. None for a
         request that wants its prompt's logprobs: every prompt position is computed for them. With a window,
-        the entries before the blocks the next query reads are -1 (not needed, maybe evicted)."""
+        the entries before the blocks the next query reads are -1 (not needed, maybe evicted). at_most: the
+        longest hit wanted, in blocks."""
         if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             return []
         found: list[int] = []
         prev: int | None = None
         for i in range((len(seq) - 1) // self.block_size):
             tokens = tuple(seq.block_tokens(i, self.block_size))
-            prev = chain_hash(prev, seq.adapter_id, tokens)
+            prev = chain_hash(prev, seq.prefix_key, tokens)
             block_id = self.cached.get(prev)
             if block_id is None or self.blocks[block_id].token_ids != tokens:
                 if not self.window:
                     break
                 block_id = -1
             found.append(block_id)
-        hit = len(found)  # the longest prefix whose next query finds every block it reads
+        hit = len(found) if at_most is None else min(len(found), at_most)  # the longest prefix whose next
+        # query finds every block it reads
         while hit and -1 in found[self.first_read_block(hit * self.block_size) : hit]:
             hit -= 1
         first = self.first_read_block(hit * self.block_size)
         return [-1] * first + found[first:hit]
 
-    def can_allocate(self, seq: Sequence, num_new_tokens: int, cached: list[int] | None = None) -> bool:
+    def blocks_to_take(self, seq: Sequence, num_new_tokens: int, cached: list[int] | None = None) -> int:
+        """Free blocks that allocating seq's next num_new_tokens tokens takes (revived cached ones included)."""
         if seq.block_table or not cached:
             held, computed, revived = len(seq.block_table), seq.num_computed_tokens, 0
         else:
             held, computed = len(cached), len(cached) * self.block_size
             revived = sum(1 for b in cached if b >= 0 and self.blocks[b].ref_count == 0)
-        return self.blocks_needed(computed + num_new_tokens) - held + revived <= self.num_free_blocks
+        return self.blocks_needed(computed + num_new_tokens) - held + revived
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int, cached: list[int] | None = None) -> bool:
+        return self.blocks_to_take(seq, num_new_tokens, cached) <= self.num_free_blocks
+
+    def spare_after(self, seq: Sequence, num_new_tokens: int, cached: list[int] | None = None) -> int:
+        """Free blocks left once seq's next num_new_tokens tokens have theirs."""
+        return self.num_free_blocks - self.blocks_to_take(seq, num_new_tokens, cached)
+
+    def fits(self, num_tokens: int) -> bool:
+        """Whether one sequence of num_tokens tokens fits in the whole cache."""
+        return self.peak_blocks(num_tokens) <= self.num_blocks
 
     def allocate(self, seq: Sequence, num_new_tokens: int, cached: list[int] | None = None) -> None:
         """Give seq blocks for its next num_new_tokens tokens, taking the cached prefix first."""
@@ -247,7 +263,7 @@ class BlockManager:
         hashes: list[int] = []
         for i in range(num_blocks):
             hashes.append(
-                chain_hash(hashes[-1] if hashes else None, seq.adapter_id, tuple(seq.block_tokens(i, self.block_size)))
+                chain_hash(hashes[-1] if hashes else None, seq.prefix_key, tuple(seq.block_tokens(i, self.block_size)))
             )
         return hashes
 
@@ -267,7 +283,7 @@ class BlockManager:
         hashes = self.block_hashes.setdefault(seq.seq_id, [])
         for i in range(len(hashes), seq.num_computed_tokens // self.block_size):
             tokens = tuple(seq.block_tokens(i, self.block_size))
-            h = chain_hash(hashes[-1] if hashes else None, seq.adapter_id, tokens)
+            h = chain_hash(hashes[-1] if hashes else None, seq.prefix_key, tokens)
             hashes.append(h)
             block = self.blocks[seq.block_table[i]]
             if block.block_hash is None:

@@ -122,7 +122,7 @@ class InputProcessor:
             self.check_prompt(ids)
         total = min(len(ids) + params.max_new_tokens, self.max_model_len)
         blocks = self.blocks
-        if blocks.peak_blocks(total) > blocks.num_blocks:
+        if not blocks.fits(total):
             raise InvalidPromptError(
                 f"{total} tokens do not fit in the KV cache ({blocks.num_blocks} blocks of {blocks.block_size})"
             )

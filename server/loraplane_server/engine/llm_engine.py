@@ -23,6 +23,7 @@ from loraplane_server.adapters.slot_table import SlotTable
 from loraplane_server.config import CPU_KV_CACHE_BYTES, EngineConfig
 from loraplane_server.engine.block_manager import BlockManager, peak_blocks
 from loraplane_server.engine.input_processor import CheckedPrompt, InputProcessor
+from loraplane_server.engine.kv_groups import HybridBlocks
 from loraplane_server.engine.scheduler import Scheduler
 from loraplane_server.engine.snapshot import EngineSnapshot, take_snapshot
 from loraplane_server.errors import (
@@ -87,7 +88,8 @@ class LLMEngine:
         phase("resolving the model")
         self.model_dir = resolve_model(config, on_phase)  # downloads into the model cache, with progress
         hf_config = read_config(self.model_dir)
-        self.max_model_len = min(config.max_model_len or 1 << 30, max_context(hf_config))  # checks the type
+        self.model_context = max_context(hf_config)  # checks the type
+        self.max_model_len = min(config.max_model_len or 1 << 30, self.model_context)
         tokenizer: Any = None  # the model's (a transformers tokenizer), loaded early to check a draft's against
         draft_dir: Path | None = None
         draft_args: ModelArgs | None = None
@@ -137,13 +139,26 @@ class LLMEngine:
             log.info("%s; %d adapter slots", self.memory_plan.describe(), config.max_loras)
         graphs = self._graphs_mode()
         num_blocks = self._num_blocks(block_bytes) - (graphs is not None)  # the plan's last block: graphs' scratch
-        self.block_manager = BlockManager(
-            num_blocks,
-            config.block_size,
-            config.enable_prefix_caching,
-            window=self._kv_window(model.args, draft_args),
-            step_tokens=config.max_num_batched_tokens,
-        )
+        window_blocks = 0  # a model with global and sliding layers: the sliding layers' pool (kv_groups.py)
+        if self._is_hybrid(model.args):
+            num_blocks, window_blocks = self._split_pools(num_blocks, model.args, draft_args)
+            self.block_manager: BlockManager = HybridBlocks(
+                num_blocks,
+                window_blocks,
+                config.block_size,
+                max(model.args.sliding_windows),
+                config.enable_prefix_caching,
+                config.max_num_batched_tokens,
+            )
+        else:
+            self.block_manager = BlockManager(
+                num_blocks,
+                config.block_size,
+                config.enable_prefix_caching,
+                window=self._kv_window(model.args, draft_args),
+                step_tokens=config.max_num_batched_tokens,
+            )
+        self._log_context()
         manager = AdapterManager(
             model.args,
             self.dtype,
@@ -165,6 +180,7 @@ class LLMEngine:
             self.backends,
             self.lora_slots,
             scratch_block=graphs is not None,
+            window_blocks=window_blocks,
         )
         if graphs is not None:
             phase("capturing CUDA graphs" if graphs == "capture" else "decode graph buffers")
@@ -236,7 +252,7 @@ class LLMEngine:
         chunks = profile_chunks(config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len)
         blocks = profile_blocks(chunks, config.block_size)
         runner = ModelRunner(model, blocks, config.block_size, self.dtype, self.device, self.backends, self.lora_slots)
-        profile_kv = runner.kv_caches.numel() * runner.kv_caches.element_size()
+        profile_kv = sum(p.numel() * p.element_size() for p in runner.kv_pools)
         peak, device_used = measure_peak_step(runner, profile_step(chunks, config.block_size))
         del runner
         torch.cuda.empty_cache()
@@ -259,6 +275,59 @@ class LLMEngine:
             )
             + 1,
         )
+
+    def _log_context(self) -> None:
+        """Which bound set the context (the model's, --max-model-len), and the KV cache's where it holds less."""
+        why = "--max-model-len" if self.max_model_len < self.model_context else "the model's own"
+        blocks = self.block_manager
+        if blocks.fits(self.max_model_len):
+            log.info("context: %d tokens (%s); one request of it fits the KV cache", self.max_model_len, why)
+            return
+        low, high = 1, self.max_model_len  # the longest request the KV cache holds: fits() is monotone
+        while low < high:
+            mid = (low + high + 1) // 2
+            low, high = (mid, high) if blocks.fits(mid) else (low, mid - 1)
+        log.warning(
+            "context: %d tokens (%s), but the KV cache (%d blocks of %d) holds one request of at most %d tokens: "
+            "longer ones are refused (give the KV cache more memory)",
+            self.max_model_len,
+            why,
+            blocks.num_blocks,
+            blocks.block_size,
+            low,
+        )
+
+    @staticmethod
+    def _is_hybrid(args: ModelArgs) -> bool:
+        """Global and sliding layers both (Gemma 3): the sliding layers' K/V gets a pool of its own."""
+        windows = args.sliding_windows
+        return any(windows) and not all(windows)
+
+    def _split_pools(self, num_blocks: int, args: ModelArgs, draft_args: ModelArgs | None) -> tuple[int, int]:
+        """num_blocks blocks of every layer's K/V (and the draft's) as the global layers' pool (the draft's K/V
+        with it) and the sliding layers' pool: the latter as big as every running sequence's window and a step
+        need at once, never more blocks than the global pool has; the global pool the rest of the bytes."""
+        config, bs = self.config, self.config.block_size
+        per_layer = kv_block_bytes(args, bs, self.dtype) // args.num_layers
+        num_window_layers = sum(1 for w in args.sliding_windows if w)
+        window_bytes = per_layer * num_window_layers
+        global_bytes = per_layer * (args.num_layers - num_window_layers)
+        if draft_args is not None:
+            global_bytes += kv_block_bytes(draft_args, bs, self.dtype)
+        budget = num_blocks * (window_bytes + global_bytes)
+        held = -(-(max(args.sliding_windows) - 1) // bs) + 2  # a decoding sequence's window, block-aligned
+        need = config.max_num_seqs * held + -(-config.max_num_batched_tokens // bs)
+        num_window = max(2, min(need, num_blocks))
+        num_global = max(2, (budget - num_window * window_bytes) // global_bytes)
+        log.info(
+            "KV cache: %d blocks for the %d global layers, %d for the %d sliding layers (window %d)",
+            num_global,
+            args.num_layers - num_window_layers,
+            num_window,
+            num_window_layers,
+            max(args.sliding_windows),
+        )
+        return num_global, num_window
 
     @staticmethod
     def _kv_window(args: ModelArgs, draft_args: ModelArgs | None) -> int:
@@ -323,7 +392,7 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         if adapter_id is not None:
             self.adapters.request(adapter_id)  # raises UnknownAdapterError
-        seq = Sequence(request_id, request.token_ids, request.params, adapter_id)
+        seq = Sequence(request_id, request.token_ids, request.params, adapter_id, self.runner.model.rotary.original)
         seq.generator = make_generator(request.params.seed, self.device)
         self.speculator.start(seq, request.spec_method)
         if request.grammar is not None:

@@ -96,6 +96,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.rope_switch_due:  # past LongRoPE's original length: recomputed with the long factors
+                self._requeue(self.running.pop(i))
+                continue
             n = min(seq.num_uncomputed_tokens, budget)
             if seq.proposed:  # speculative: verify the proposals that fit, none when blocks run short
                 n = self._fit_proposals(seq, budget)
@@ -119,8 +122,7 @@ class Scheduler:
         assert seq.spec is not None and seq.num_uncomputed_tokens == 1
         bm = self.block_manager
         del seq.spec.proposed[max(0, budget - 1) :]
-        needed = bm.blocks_needed(seq.num_computed_tokens + 1 + len(seq.spec.proposed)) - len(seq.block_table)
-        if bm.num_free_blocks - needed < len(self.running):
+        if bm.spare_after(seq, 1 + len(seq.spec.proposed)) < len(self.running):
             seq.spec.proposed = []
         return 1 + len(seq.spec.proposed)
 
@@ -154,8 +156,8 @@ class Scheduler:
             seq = queue[0]
             cached = bm.find_cached_blocks(seq)
             n = min(len(seq) - len(cached) * bm.block_size, budget)
-            free_after = bm.num_free_blocks - bm.blocks_needed(len(cached) * bm.block_size + n)
-            if not bm.can_allocate(seq, n, cached) or (self.running and free_after < self.watermark_blocks):
+            spare = bm.spare_after(seq, n, cached)  # the blocks a hit shares are not taken
+            if spare < 0 or (self.running and spare < self.watermark_blocks):
                 return -1
             queue.popleft()
             self.deficit[key] -= len(seq)
@@ -221,6 +223,13 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.num_preemptions += 1
+        self._requeue(seq)
+
+    def _requeue(self, seq: Sequence) -> None:
+        """Its blocks and slot freed, to be recomputed from the front of its queue: a preempted sequence, or one
+        whose K/V hold LongRoPE's short factors grown past the original length, which transformers' generate
+        recomputes whole with the long ones at that step (Phi3ForCausalLM.prepare_inputs_for_generation drops
+        its cache); readmitted, it finds its prefix hits under the long factors' key (Sequence.prefix_key)."""
         self._release(seq)
         self.block_manager.free_seq(seq)
         seq.reset_for_recompute()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -77,17 +78,20 @@ class DecodeGraphs:
     def __init__(
         self,
         model: LlamaForCausalLM,
-        kv_caches: torch.Tensor,
+        kv_caches: torch.Tensor | list[torch.Tensor],
+        kv_pools: list[torch.Tensor],
         lora_slots: LoRASlots | None,
         block_size: int,
         max_num_seqs: int,
         max_model_len: int,
     ) -> None:
-        """The model runner's model, KV cache (its last block the scratch block) and LoRA slots."""
+        """The model runner's model, KV cache (each pool's last block its scratch block; a second pool: the
+        sliding layers', engine/kv_groups.py) and LoRA slots."""
         self.model, self.kv_caches, self.lora_slots, self.block_size = model, kv_caches, lora_slots, block_size
-        self.device = device = kv_caches.device
+        self.device = device = kv_pools[0].device
         self.sizes = graph_batch_sizes(max_num_seqs)
-        self.scratch_block = scratch_block = kv_caches.shape[2] - 1
+        self.scratch_block = scratch_block = kv_pools[0].shape[2] - 1
+        self.window_scratch = kv_pools[1].shape[2] - 1 if len(kv_pools) > 1 else None
         self.scratch_slot = scratch_block * block_size  # padding rows' K/V land here, owned by no sequence
         rows, width = self.sizes[-1], -(-max_model_len // block_size)
         self.buffers = {  # [rows] (tables [rows, width]), int64 on the device
@@ -98,6 +102,9 @@ class DecodeGraphs:
             "tables": torch.full((rows, width), scratch_block, dtype=torch.int64, device=device),
             "lora": torch.full((rows,), -1, dtype=torch.int32, device=device),
         }
+        if self.window_scratch is not None:  # the sliding layers' slots and tables, in their pool
+            self.buffers["wslots"] = torch.zeros(rows, dtype=torch.int64, device=device)
+            self.buffers["wtables"] = torch.full((rows, width), self.window_scratch, dtype=torch.int64, device=device)
         # the host side of each step, filled then copied in one go per buffer
         pin = device.type == "cuda"
         self.staging = {
@@ -135,6 +142,10 @@ class DecodeGraphs:
         )
         if lora and self.lora_slots is not None:
             batch.lora = GraphLoRABatch(self.lora_slots, b["lora"][:rows], self.ranks)
+        if self.window_scratch is not None:
+            batch.window_batch = replace(
+                batch, slot_mapping=b["wslots"][:rows], decode_block_tables=b["wtables"][:rows]
+            )
         return batch
 
     def _forward(self, rows: int, lora: bool) -> torch.Tensor:
@@ -203,6 +214,10 @@ class DecodeGraphs:
         v["lens"][:n] = [p + 1 for p in last]
         for i, seq in enumerate(seqs):
             v["tables"][i, : len(seq.block_table)] = seq.block_table
+        if self.window_scratch is not None:
+            v["wslots"][:n] = [seq.window_table[p // bs] * bs + p % bs for seq, p in zip(seqs, last, strict=True)]
+            for i, seq in enumerate(seqs):
+                v["wtables"][i, : len(seq.window_table)] = seq.window_table
         with_slots = self.lora_slots is not None
         slots = [seq.lora_slot if with_slots and seq.lora_slot is not None else -1 for seq in seqs]
         v["lora"][:n] = slots
@@ -216,6 +231,9 @@ class DecodeGraphs:
         s["slots"][first:end] = self.scratch_slot
         s["lens"][first:end] = 1
         s["tables"][first:end, 0] = self.scratch_block
+        if self.window_scratch is not None:
+            s["wslots"][first:end] = self.window_scratch * self.block_size
+            s["wtables"][first:end, 0] = self.window_scratch
         s["lora"][first:end] = -1
         if rows is None:  # at capture: every buffer row starts as padding
             for key, buf in self.buffers.items():

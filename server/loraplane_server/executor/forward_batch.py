@@ -26,7 +26,8 @@ class PrefillChunk:
 
 @dataclass
 class ForwardBatch:
-    positions: torch.Tensor  # [T] int64
+    # [T] int64: each token's row in the rotary table, its position but for LongRoPE's long rows (RotaryEmbedding.rows)
+    positions: torch.Tensor
     slot_mapping: torch.Tensor  # [T] int64, flat KV slot for each token
     num_decode_tokens: int
     decode_block_tables: torch.Tensor | None  # [Bd, max_blocks] int64, padded with 0
@@ -38,6 +39,9 @@ class ForwardBatch:
     logits_indices: torch.Tensor | None = None  # [S] rows whose next token is sampled
     lora: LoRABatch | None = None  # per-token adapter slots; None when no token has an adapter
     logits_lora: LoRABatch | None = None  # the same for the logits rows alone (see logits_rows_batch)
+    # a model with global and sliding layers: the step as the sliding layers see it (their own KV pool's slot
+    # mapping and block tables, engine/kv_groups.py); None otherwise
+    window_batch: ForwardBatch | None = None
 
     @property
     def prunes_last_layer(self) -> bool:

@@ -4,6 +4,7 @@ scheduled step into tokens."""
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import torch
 
@@ -31,6 +32,33 @@ def first_rows(samplers: list[Sequence]) -> list[tuple[int, Sequence]]:
     return list(zip(starts, samplers, strict=False))  # starts has one more: where the last one's rows end
 
 
+class WindowStep:
+    """A step's slots and block tables in the window pool (a model with global and sliding layers)."""
+
+    def __init__(self) -> None:
+        self.slots: list[int] = []
+        self.tables: list[list[int]] = []  # the decodes'
+        self.chunk_tables: list[list[int]] = []  # the prefill chunks'
+
+    def add(self, seq: Sequence, start: int, end: int, bs: int, prefill: bool) -> None:
+        table = seq.window_table
+        self.slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+        (self.chunk_tables if prefill else self.tables).append(table[: -(-end // bs)])
+
+    def batch(self, batch: ForwardBatch, device: torch.device) -> ForwardBatch:
+        """The step as the sliding layers see it: batch with the window pool's slots and tables."""
+        t = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)  # noqa: E731
+        width = max(map(len, self.tables), default=0)
+        return replace(
+            batch,
+            slot_mapping=t(self.slots),
+            decode_block_tables=t([row + [0] * (width - len(row)) for row in self.tables]) if self.tables else None,
+            prefills=[replace(c, block_table=t(tb)) for c, tb in zip(batch.prefills, self.chunk_tables, strict=True)],
+            decode_mask=None,
+            decode_window_masks={},
+        )
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -42,23 +70,30 @@ class ModelRunner:
         backends: Backends,
         lora_slots: LoRASlots | None = None,
         scratch_block: bool = False,
+        window_blocks: int = 0,
     ) -> None:
         """scratch_block: one more KV block than the block manager hands out, at index num_blocks, for the
-        padding rows of decode graphs (cuda_graphs.py) to write into."""
+        padding rows of decode graphs (cuda_graphs.py) to write into. window_blocks > 0 (a model with global and
+        sliding layers, engine/kv_groups.py): the sliding layers' K/V in a pool of their own, that many blocks."""
         a = model.args
         self.model = model
         self.block_size = block_size
         self.device = device
-        self.kv_caches = torch.zeros(
-            a.num_layers,
-            2,
-            num_blocks + scratch_block,
-            block_size,
-            a.num_kv_heads,
-            a.head_dim,
-            dtype=dtype,
-            device=device,
-        )  # [L, 2, N, B, KVH, D]
+        windowed = [i for i, w in enumerate(a.sliding_windows) if w] if window_blocks else []
+        self.window_layers = windowed  # the layers whose K/V lives in the window pool
+        shape = (2, block_size, a.num_kv_heads, a.head_dim)
+
+        def pool(layers: int, blocks: int) -> torch.Tensor:  # [layers, 2, N, B, KVH, D]
+            return torch.zeros(layers, 2, blocks + scratch_block, *shape[1:], dtype=dtype, device=device)
+
+        # the global pool, [L, 2, N, B, KVH, D] (every layer's for a model without a window pool)
+        self.kv_pools = [pool(a.num_layers - len(windowed), num_blocks)]
+        if windowed:
+            self.kv_pools.append(pool(len(windowed), window_blocks))
+        self.kv_caches: torch.Tensor | list[torch.Tensor] = self.kv_pools[0]  # what the model's layers read
+        if windowed:  # each layer's view, in layer order
+            counters = [iter(self.kv_pools[0]), iter(self.kv_pools[1])]
+            self.kv_caches = [next(counters[i in windowed]) for i in range(a.num_layers)]
         self.graphs: DecodeGraphs | None = None  # plain decode steps through static buffers (and CUDA graphs)
         self.sampler = Sampler(kernels=backends.layer_kernels)
         self.matchers = Matchers(model.args.vocab_size)  # structured output's, one per constrained sequence
@@ -76,7 +111,7 @@ class ModelRunner:
         """Plain decode steps through static buffers from now on, captured as CUDA graphs with `capture` (the
         runner was made with its scratch block)."""
         self.graphs = DecodeGraphs(
-            self.model, self.kv_caches, self.lora_slots, self.block_size, max_num_seqs, max_model_len
+            self.model, self.kv_caches, self.kv_pools, self.lora_slots, self.block_size, max_num_seqs, max_model_len
         )
         if capture:
             self.graphs.capture()
@@ -101,17 +136,20 @@ class ModelRunner:
         chunks: list[PrefillChunk] = []
         prompt_rows: list[tuple[int, Sequence, int]] = []  # prompt_logprobs: (input row, sequence, position)
         bs = self.block_size
+        window = WindowStep() if self.window_layers else None
         for i, (seq, n) in enumerate(decodes + prefills):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             if i >= len(decodes):
                 table = torch.tensor(seq.block_table[: -(-end // bs)], dtype=torch.int64)
                 chunks.append(PrefillChunk(len(ids), n, start, table.to(self.device)))
+            if window:
+                window.add(seq, start, end, bs, i >= len(decodes))
             if seq.params.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:
                 # each prompt position's row predicts the next prompt token (the last one's is the sampler's)
                 last = min(end, seq.num_prompt_tokens - 1)
                 prompt_rows += [(len(ids) + p - start, seq, p) for p in range(start, last)]
             ids.extend(seq.token_ids[start:end] if not seq.proposed else seq.token_ids[start:] + seq.proposed)
-            positions.extend(range(start, end))
+            positions.extend(self.model.rotary.rows(start, end, seq.rope_long))  # rotary table rows
             slots.extend(seq.block_table[p // bs] * bs + p % bs for p in range(start, end))
             if end == len(seq):  # the step reaches the last token: sample the next one
                 logits_rows.append(len(ids) - 1)
@@ -143,6 +181,9 @@ class ModelRunner:
         batch.lora = self._lora_batch(decodes, prefills, chunks, len(ids))
         if batch.lora is not None and batch.prunes_last_layer:
             batch.logits_lora = self._rows_lora_batch(row_seqs)
+        if window:
+            batch.window_batch = window.batch(batch, self.device)
+            self.backends.attention.prepare(batch.window_batch, bs)
         return t(ids), batch, samplers
 
     def _lora_batch(
@@ -279,7 +320,9 @@ class ModelRunner:
     def _set_aside(self, seq: Sequence) -> None:
         """A sequence whose logits went non-finite: its KV blocks zeroed (a block's next owner never reads a
         stale NaN), the sequence handed to the engine to fail alone."""
-        self.kv_caches[:, :, seq.block_table[seq.num_released_blocks :]] = 0  # its own blocks alone
+        self.kv_pools[0][:, :, seq.block_table[seq.num_released_blocks :]] = 0  # its own blocks alone
+        if self.window_layers:
+            self.kv_pools[1][:, :, seq.window_table[seq.window_released :]] = 0
         self.nonfinite.append(seq)
 
     def take_nonfinite(self) -> list[Sequence]:

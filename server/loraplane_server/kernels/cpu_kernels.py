@@ -329,10 +329,13 @@ def paged_prefill_attention(
     block_table: torch.Tensor,
     ctx: int,
     scale: float,
+    window: int = 0,
 ) -> None:
     """Causal attention of one prefill chunk into out [n, H, D]: q [n, H, D] at positions ctx..ctx+n-1,
-    keys and values (the chunk's own already written) from the caches [N, B, KVH, D] via block_table."""
-    torch.ops.loraplane.paged_prefill_attention_(out, q, k_cache, v_cache, block_table, ctx, scale)
+    keys and values (the chunk's own already written) from the caches [N, B, KVH, D] via block_table;
+    window > 0: the query at position p sees positions p - window + 1 .. p alone (the blocks wholly before
+    the first query's window are never read)."""
+    torch.ops.loraplane.paged_prefill_attention_(out, q, k_cache, v_cache, block_table, ctx, scale, window)
 
 
 def bgmv_(
@@ -367,13 +370,17 @@ def bgmv_packed_(
 
 
 def layer_weights(
-    weights: list[torch.Tensor | None], heads: tuple[int, int], scale: float, eps: tuple[float, float]
+    weights: list[torch.Tensor | None],
+    heads: tuple[int, int],
+    scale: float,
+    eps: tuple[float, float],
+    window: int = 0,
 ) -> torch.ScriptObject:
     """One decoder layer's weights for decoder_layer, gathered (and checked) once at load
     (csrc/layer_weights.h): weights = qkv_w, qkv_b, o_w, post_norm_w, gate_up_w, gate_up_b, down_w, down_b,
     next_norm_w (None for the last layer); heads = (num_heads, num_kv_heads); eps = (the post-attention
-    norm's, the next norm's)."""
-    return torch.classes.loraplane.LayerWeights(*weights, *heads, scale, *eps)
+    norm's, the next norm's); window: the layer's sliding attention window (0: full attention)."""
+    return torch.classes.loraplane.LayerWeights(*weights, *heads, scale, *eps, window)
 
 
 def decoder_layer(

@@ -181,7 +181,8 @@ class DraftModel:
                 table = torch.tensor(seq.block_table[: -(-end // bs)], dtype=torch.int64)
                 chunks.append(PrefillChunk(len(ids), len(toks), start, table.to(self.device)))
             ids.extend(toks)
-            positions.extend(range(start, end))
+            # its own rotary table's rows, LongRoPE's long ones where the target's are (proposals alone)
+            positions.extend(self.model.rotary.rows(start, end, seq.rope_long))
             slots.extend(seq.block_table[p // bs] * bs + p % bs for p in range(start, end))
             rows.append(len(ids) - 1)
         tables, lens = None, None

@@ -100,6 +100,8 @@ class Speculator:
             if seq.spec is None or seq.num_uncomputed_tokens != 1:
                 continue
             max_len = self.max_model_len if seq.spec.method == "ngram" else self.draft_max_len
+            if seq.rope_switch_at is not None:  # LongRoPE's short factors: no proposal past the original length
+                max_len = min(max_len, seq.rope_switch_at)
             k = min(
                 spare,
                 cap_proposal(seq.spec.k, seq.num_output_tokens, seq.params.max_new_tokens, len(seq), max_len),

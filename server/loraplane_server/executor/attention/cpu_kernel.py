@@ -49,11 +49,8 @@ class CPUKernelAttention(TorchAttention):
         out: torch.Tensor,
         window: int = 0,
     ) -> None:
-        if window:  # the prefill kernel has no window yet: the torch path, exact
+        if not cpu_kernels.prefill_kernel_applies(q):
             super().prefill(q, k, v, k_cache, v_cache, chunk, scale, out, window)
             return
-        if not cpu_kernels.prefill_kernel_applies(q):
-            super().prefill(q, k, v, k_cache, v_cache, chunk, scale, out)
-            return
         ctx = chunk.num_context_tokens
-        cpu_kernels.paged_prefill_attention(out, q, k_cache, v_cache, chunk.block_table, ctx, scale)
+        cpu_kernels.paged_prefill_attention(out, q, k_cache, v_cache, chunk.block_table, ctx, scale, window)

@@ -1,9 +1,22 @@
 """Rotary position embeddings (default, linear, Llama 3, YaRN and LongRoPE frequency scaling; full or partial
-rotary dims), cos/sin cached once."""
+rotary dims), cos/sin cached once.
+
+LongRoPE has two sets of factors. transformers (modeling_rope_utils' longrope_frequency_update) takes the long
+ones for a whole forward call whose largest position + 1 exceeds original_max_position_embeddings, the short
+ones otherwise, and Phi3ForCausalLM.prepare_inputs_for_generation drops the cache on the step where a sequence
+first grows past that length, so `generate` recomputes every position with the long factors there. A sequence
+is thus computed with one set throughout: the short one while it is at most the original length, the long one
+once it is longer (Sequence.rope_long; the scheduler recomputes a sequence that grows past it). The table holds
+both: rows 0..P-1 the short factors below the original length and the long ones from it (what any decode step
+reads), then rows P + p the long factors of each position p below it, which a long sequence's earlier positions
+read (`rows`).
+"""
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -23,9 +36,9 @@ def rope_inv_freq(
     model's (YaRN without a factor derives it from this)."""
     shape = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
     kind = rope_kind(scaling)
-    if kind == "longrope":  # the short factors: the engine caps the context where transformers uses them
+    if kind == "longrope":  # the short factors (longrope_inv_freq gives either)
         assert scaling is not None
-        return 1.0 / (torch.tensor(scaling["short_factor"], dtype=torch.float32) * theta**shape)
+        return longrope_inv_freq(head_dim, theta, scaling, long=False)
     inv_freq = 1.0 / (theta**shape)
     if kind == "default":
         return inv_freq
@@ -44,6 +57,13 @@ def rope_inv_freq(
         is_mid = (wavelen >= old_len / high) & (wavelen <= old_len / low)
         return torch.where(is_mid, mid, scaled)
     raise ValueError(f"unsupported rope scaling type {kind!r} (supported: {', '.join(SUPPORTED_SCALING)})")
+
+
+def longrope_inv_freq(head_dim: int, theta: float, scaling: dict, long: bool) -> torch.Tensor:
+    """LongRoPE's frequencies: the default ones, each divided by its short or long factor."""
+    shape = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    factors = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32)
+    return 1.0 / (factors * theta**shape)
 
 
 def yarn_factor(scaling: dict, max_position_embeddings: int | None = None) -> float:
@@ -102,8 +122,10 @@ def rope_attention_scaling(scaling: dict | None, max_position_embeddings: int) -
 
 
 class RotaryEmbedding(nn.Module):
-    cos: torch.Tensor  # [P, Dr] float32 buffers
+    cos: torch.Tensor  # [P, Dr] float32 buffers ([P + original, Dr] for LongRoPE, see the module's docstring)
     sin: torch.Tensor
+    # LongRoPE's original_max_position_embeddings where the table holds long factors too; None: one set
+    original: int | None
 
     def __init__(
         self,
@@ -115,18 +137,42 @@ class RotaryEmbedding(nn.Module):
         max_position_embeddings: int | None = None,
     ) -> None:
         super().__init__()
-        inv_freq = rope_inv_freq(head_dim, theta, scaling, max_position_embeddings)
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
+        self.num_positions = max_positions
+        self.original = None
+        positions = torch.arange(max_positions, dtype=torch.float32)
+        emb = _angles(positions, rope_inv_freq(head_dim, theta, scaling, max_position_embeddings))  # [P, D]
+        original = int((scaling or {}).get("original_max_position_embeddings") or max_positions)
+        if scaling is not None and rope_kind(scaling) == "longrope" and max_positions > original:
+            # (a table no longer than the original length never needs the long factors: no sequence outgrows it)
+            self.original = original
+            long = _angles(positions, longrope_inv_freq(head_dim, theta, scaling, long=True))
+            emb = torch.cat((emb[:original], long[original:], long[:original]))
         cos, sin = emb.cos(), emb.sin()
+        # transformers scales cos and sin alike under either set of LongRoPE factors (its attention factor follows
+        # max_position_embeddings over the original length, whichever set a call takes)
         if attention_scaling != 1.0:
             cos, sin = cos * attention_scaling, sin * attention_scaling
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 
+    def rows(self, start: int, end: int, long: bool) -> Iterable[int]:
+        """The table rows of one sequence's positions start..end-1: the positions themselves, but for a sequence
+        computed with LongRoPE's long factors (Sequence.rope_long) those below the original length, which read
+        the long rows after the table's first P."""
+        if not long or self.original is None or start >= self.original:
+            return range(start, end)
+        split = min(end, self.original)
+        return itertools.chain(range(start + self.num_positions, split + self.num_positions), range(split, end))
+
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Once per step: cos and sin for every token, [T, 1, D] in the activation dtype."""
         return self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1)
+
+
+def _angles(positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Each position's rotation angles, [P, D]: the frequencies' twice over (rotate_half's layout)."""
+    freqs = torch.outer(positions, inv_freq)
+    return torch.cat((freqs, freqs), dim=-1)
 
 
 def apply_rotary(

@@ -98,7 +98,9 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
             args.head_dim, max_positions, args.local_rope_theta, args.local_rope_scaling
         )
 
-    def forward(self, input_ids: torch.Tensor, kv_caches: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, kv_caches: torch.Tensor | list[torch.Tensor], batch: ForwardBatch
+    ) -> torch.Tensor:
         logits = super().forward(input_ids, kv_caches, batch)
         cap = self.args.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap

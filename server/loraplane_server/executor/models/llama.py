@@ -72,7 +72,9 @@ class Attention(nn.Module):
             triton_layer_ops.rotary_(q, k, *cos_sin)  # in place
         else:
             q, k = apply_rotary(q, k, *cos_sin)
-        out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], batch, self.scale, self.window)  # [T, H, D]
+        # a sliding layer of a model with global layers too: its own KV pool's slots and tables
+        kv_batch = batch.window_batch if self.window and batch.window_batch is not None else batch
+        out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], kv_batch, self.scale, self.window)  # [T, H, D]
         if rows is not None and batch.logits_indices is not None:
             return self.o(out.reshape(t, q_size)[batch.logits_indices], rows)
         return self.o(out.reshape(t, q_size), batch)
@@ -166,7 +168,8 @@ class DecoderLayer(nn.Module):
         weights += [mlp.gate_up.weight]
         weights += [mlp.gate_up.bias, mlp.down.weight, mlp.down.bias, next_norm.weight if next_norm else None]
         eps = (post.eps, next_norm.eps if next_norm else 0.0)
-        self.fused_weights = cpu_kernels.layer_weights(weights, (attn.num_heads, attn.num_kv_heads), attn.scale, eps)
+        heads = (attn.num_heads, attn.num_kv_heads)
+        self.fused_weights = cpu_kernels.layer_weights(weights, heads, attn.scale, eps, attn.window)
         if attn.qkv.int8:  # the four projections' scales and row sums
             parts = [(p.weight_scale, p.weight_sum) for p in (attn.qkv, attn.o, mlp.gate_up, mlp.down)]
             self.fused_weights.set_int8([t for pair in parts for t in pair])  # type: ignore[attr-defined]
@@ -243,7 +246,6 @@ class LlamaForCausalLM(nn.Module):
             and backends.attention.cpu_kernels  # the fused layer attends with those kernels
             and self.can_fuse_layers
             and self.args.is_llama_shaped
-            and not any(self.args.sliding_windows)  # the fused layer's attention has no window (yet)
         )
         for module in self.modules():
             if isinstance(module, Attention):
@@ -259,8 +261,11 @@ class LlamaForCausalLM(nn.Module):
             else:
                 layer.fused_weights = None
 
-    def forward(self, input_ids: torch.Tensor, kv_caches: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """input_ids [T] -> logits [S, V] for the rows in batch.logits_indices."""
+    def forward(
+        self, input_ids: torch.Tensor, kv_caches: torch.Tensor | list[torch.Tensor], batch: ForwardBatch
+    ) -> torch.Tensor:
+        """input_ids [T] -> logits [S, V] for the rows in batch.logits_indices. kv_caches: each layer's
+        [2, N, B, KVH, D] (the rows of one [L, 2, ...] tensor, or views into two pools, engine/kv_groups.py)."""
         x = self.embed(input_ids)  # [T, hidden]: the residual stream (a fresh tensor, updated in place)
         kernels = self.kernels and x.dtype == torch.bfloat16
         cos_sins = self.cos_sins(batch.positions, x.dtype, kernels)
@@ -302,6 +307,8 @@ class LlamaForCausalLM(nn.Module):
     def _fused_step(self, batch: ForwardBatch, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> FusedStep | None:
         """The step's arguments to cpu_kernels.decoder_layer, or None where the fused layer does not
         apply (the Python layers then run the same kernels one by one)."""
+        if batch.window_batch is not None:  # two KV pools: the fused layer reads one
+            return None
         lora = batch.lora
         row_slots = lora.fused_row_slots() if lora is not None else None
         if lora is not None and row_slots is None:  # the backend's slots are not what the fused layer reads

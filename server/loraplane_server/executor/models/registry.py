@@ -8,7 +8,6 @@ layer_types, Qwen's use_sliding_window), so each family reads one current form. 
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -18,8 +17,6 @@ from loraplane_server.executor.models.gemma3 import Gemma3ForCausalLM, gemma3_ar
 from loraplane_server.executor.models.llama import LlamaForCausalLM
 from loraplane_server.executor.models.phi3 import phi3_args
 from loraplane_server.executor.models.qwen3 import Qwen3ForCausalLM
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -90,28 +87,14 @@ def build(args: ModelArgs, max_positions: int) -> LlamaForCausalLM:
 
 
 def max_context(cfg: dict) -> int:
-    """The longest sequence this engine serves the model at exactly, logged where it is shorter than the
-    model's own context. Sliding windows are attended as the model does (attention/base.py), so they cap
-    nothing; LongRoPE runs up to original_max_position_embeddings (where transformers, too, uses the short
-    factors). YaRN's context is its factor times the original length where
-    that is longer than max_position_embeddings (Qwen2.5's configs keep 32,768 there and extend it 4x)."""
+    """The longest sequence this engine serves the model at exactly: its max_position_embeddings. Sliding
+    windows are attended as the model does (attention/base.py) and LongRoPE switches to its long factors past
+    the original length as transformers does (layers/rotary.py), so neither caps it. YaRN's context is its
+    factor times the original length where that is longer than max_position_embeddings (Qwen2.5's configs keep
+    32,768 there and extend it 4x)."""
     norm = normalized(cfg)
     limit = int(norm.get("max_position_embeddings") or 4096)
-    caps: dict[str, int | None] = {}
     rope = norm.get("rope_parameters") or {}
     if rope_kind(rope) == "yarn" and rope.get("factor") and rope.get("original_max_position_embeddings"):
         limit = max(limit, int(rope["factor"] * rope["original_max_position_embeddings"]))
-    if rope_kind(rope) == "longrope":
-        caps["LongRoPE's original_max_position_embeddings"] = rope.get("original_max_position_embeddings")
-    for why, cap in caps.items():
-        if cap and cap < limit:
-            log.warning(
-                "%s: serving at most %d tokens of context, %s (the model's max_position_embeddings is %s); "
-                "beyond it the engine would not compute what the model does",
-                cfg["model_type"],
-                cap,
-                why,
-                norm.get("max_position_embeddings"),
-            )
-            limit = int(cap)
     return limit

@@ -22,7 +22,7 @@ TORCH_LIBRARY(loraplane, m) {
   // prefill_attention_cpu.cpp: causal attention of one prefill chunk over its cached context
   m.def(
       "paged_prefill_attention_(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, "
-      "int ctx, float scale) -> ()");
+      "int ctx, float scale, int window=0) -> ()");
   // linear_cpu.cpp: y = x W^T (+ b), and the MLP's gate_up with SiLU-and-multiply in its epilogue
   m.def("linear_(Tensor(a!) out, Tensor x, Tensor w, Tensor? bias) -> ()");
   m.def("linear_silu_mul_(Tensor(a!) out, Tensor x, Tensor w, Tensor? bias) -> ()");
@@ -45,7 +45,7 @@ TORCH_LIBRARY(loraplane, m) {
   m.class_<loraplane_cpu::LayerWeights>("LayerWeights")
       .def(torch::init<at::Tensor, c10::optional<at::Tensor>, at::Tensor, at::Tensor, at::Tensor,
                        c10::optional<at::Tensor>, at::Tensor, c10::optional<at::Tensor>, c10::optional<at::Tensor>,
-                       int64_t, int64_t, double, double, double>())
+                       int64_t, int64_t, double, double, double, int64_t>())
       .def("set_int8", &loraplane_cpu::LayerWeights::set_int8);
   m.def(
       "decoder_layer_(Tensor(a!) x, Tensor h, __torch__.torch.classes.loraplane.LayerWeights w, Tensor(b!) k_cache, "

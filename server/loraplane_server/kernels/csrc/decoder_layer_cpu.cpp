@@ -5,7 +5,8 @@
 // (docs/kernels.md).
 //
 //   a  = attention(rotary(qkv(h) + lora_qkv), paged KV cache)   write this step's k, v; decode rows
-//        first (one batched call), then each prefill chunk over its cached context
+//        first (one batched call), then each prefill chunk over its cached context; both over the
+//        layer's sliding window where it has one (LayerWeights::window)
 //   h2 = rmsnorm(x += o(a) + lora_o)
 //   m  = down(silu(gate) * up) + lora_down, (gate | up) = gate_up(h2) + lora_gate_up; with no
 //        LoRA on gate_up the activation runs in the GEMM's epilogue (linear_silu_mul_)
@@ -95,13 +96,12 @@ Tensor decoder_layer_(Tensor& x, const Tensor& h, const c10::intrusive_ptr<Layer
   if (num_decode > 0) {
     const OptTensor tables = step.get(3), lens = step.get(4);  // present: checked above
     Tensor out = attn.narrow(0, 0, num_decode);
-    // no window: a model with sliding-window layers does not fuse its layers (models/llama.py)
-    paged_decode_attention_(out, q.narrow(0, 0, num_decode), k_cache, v_cache, *tables, *lens, w->scale, 0);
+    paged_decode_attention_(out, q.narrow(0, 0, num_decode), k_cache, v_cache, *tables, *lens, w->scale, w->window);
   }
   for (size_t c = 0; c < chunk_tables.size(); ++c) {
     const int64_t start = chunks[3 * c], n = chunks[3 * c + 1], ctx = chunks[3 * c + 2];
     Tensor out = attn.narrow(0, start, n);
-    paged_prefill_attention_(out, q.narrow(0, start, n), k_cache, v_cache, chunk_tables[c], ctx, w->scale);
+    paged_prefill_attention_(out, q.narrow(0, start, n), k_cache, v_cache, chunk_tables[c], ctx, w->scale, w->window);
   }
   Tensor a = attn.view({T, q_size});
   Tensor r = x;  // the residual rows from here on: all of x, or (last layer) a copy of the logits rows

@@ -23,18 +23,20 @@ struct LayerWeights : torch::CustomClassHolder {
   c10::optional<at::Tensor> qkv_s, qkv_sum, o_s, o_sum, gate_up_s, gate_up_sum, down_s, down_sum;
   int64_t num_heads, num_kv_heads, head_dim;
   double scale, eps, next_eps;
+  int64_t window;  // the layer's sliding attention window (decode and prefill attention's), 0: full attention
 
   LayerWeights(at::Tensor qkv_w_, c10::optional<at::Tensor> qkv_b_, at::Tensor o_w_, at::Tensor post_norm_w_,
                at::Tensor gate_up_w_, c10::optional<at::Tensor> gate_up_b_, at::Tensor down_w_,
                c10::optional<at::Tensor> down_b_, c10::optional<at::Tensor> next_norm_w_, int64_t num_heads_,
-               int64_t num_kv_heads_, double scale_, double eps_, double next_eps_)
+               int64_t num_kv_heads_, double scale_, double eps_, double next_eps_, int64_t window_)
       : qkv_w(std::move(qkv_w_)), o_w(std::move(o_w_)), post_norm_w(std::move(post_norm_w_)),
         gate_up_w(std::move(gate_up_w_)), down_w(std::move(down_w_)), qkv_b(std::move(qkv_b_)),
         gate_up_b(std::move(gate_up_b_)), down_b(std::move(down_b_)), next_norm_w(std::move(next_norm_w_)),
         num_heads(num_heads_), num_kv_heads(num_kv_heads_), head_dim(0), scale(scale_), eps(eps_),
-        next_eps(next_eps_) {
+        next_eps(next_eps_), window(window_) {
     TORCH_CHECK(num_heads > 0 && num_kv_heads > 0 && num_heads % num_kv_heads == 0,
                 "LayerWeights: num_heads must be a positive multiple of num_kv_heads");
+    TORCH_CHECK(window >= 0, "LayerWeights: window must be >= 0 (0: none)");
     const bool int8 = qkv_w.scalar_type() == at::kChar;
     for (const at::Tensor* w : {&qkv_w, &o_w, &gate_up_w, &down_w})
       TORCH_CHECK(w->dim() == 2 && w->is_contiguous() && w->scalar_type() == (int8 ? at::kChar : at::kBFloat16),

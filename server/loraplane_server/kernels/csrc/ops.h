@@ -59,7 +59,8 @@ void write_kv_(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k, co
                const at::Tensor& slot_mapping);
 // prefill_attention_cpu.cpp
 void paged_prefill_attention_(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
-                              const at::Tensor& v_cache, const at::Tensor& block_table, int64_t ctx, double scale);
+                              const at::Tensor& v_cache, const at::Tensor& block_table, int64_t ctx, double scale,
+                              int64_t window);
 
 // decoder_layer_cpu.cpp (w: layer_weights.h)
 struct LayerWeights;

@@ -9,7 +9,11 @@
 //   - values go two tokens per instruction (rows interleaved by unpacklo/hi, as in the decode
 //     kernel), the softmax weights rounded to bf16 for that product;
 //   - the softmax is online per query row (running max and sum), masked causally: query i of the
-//     chunk sits at position ctx + i and sees keys 0..ctx + i.
+//     chunk sits at position ctx + i and sees keys 0..ctx + i; with a sliding window W > 0 those
+//     past ctx + i - W alone (as transformers masks them). A query tile's key tiles then start at
+//     its first query's window, so the blocks before it are never read (the block manager may have
+//     released them: their table entries and rows are anyone's), and a row masks the keys of a
+//     tile before its own window (`start`) as it masks those past its position (`visible`).
 // The chunk's own keys and values are read from the cache, where they were written before the
 // call, so a chunk with cached context (a prefix-cache hit, a later chunk of a long prompt) and a
 // fresh prompt take the same path. Work items are (kv head, tile of 32 queries), spread over
@@ -62,16 +66,26 @@ inline void transpose_keys(const BF* const* krow, uint32_t (*kbuf)[L]) {
 #endif
 
 #ifdef LORAPLANE_AVX512_BF16
+// The lanes lo .. hi - 1 of 16 set (each bound clamped to [0, 16]).
+inline __mmask16 lanes16(int64_t lo, int64_t hi) {
+  const auto below = [](int64_t k) { return k <= 0 ? 0u : k >= 16 ? 0xffffu : (1u << k) - 1u; };
+  return static_cast<__mmask16>(below(hi) & ~below(lo));
+}
+
 // One query position's `group` heads (rows r0 .. r0 + group - 1 of the work item) against one key
 // tile, GB heads at a time: each key vector and each pair of value rows is loaded once for GB rows
-// (one row at a time, every vdpbf16ps waited on a load of its own). VV: score vectors in use.
+// (one row at a time, every vdpbf16ps waited on a load of its own). VV: score vectors in use. The
+// row sees the tile's keys start .. visible - 1 (start > 0 only before a sliding window's edge).
 template <int64_t HD, int64_t GB, int64_t VV>
-inline void rows_step(int64_t r0, int64_t group, int64_t visible, const uint32_t* qbuf, const __m512i* kt,
-                      const __m512i* vp, float* acc, float* m, float* l, float scale) {
+inline void rows_step(int64_t r0, int64_t group, int64_t start, int64_t visible, const uint32_t* qbuf,
+                      const __m512i* kt, const __m512i* vp, float* acc, float* m, float* l, float scale) {
   constexpr int64_t P = HD / 2, C2 = HD / 32, C = HD / 16;
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   const __m512 scale_v = _mm512_set1_ps(scale);
   const int64_t pairs = (visible + 1) / 2;
+  __mmask16 valid[VV];  // the keys of each score vector the row sees
+#pragma GCC unroll 4
+  for (int64_t v = 0; v < VV; ++v) valid[v] = lanes16(start - 16 * v, visible - 16 * v);
   for (int64_t g0 = 0; g0 < group; g0 += GB) {
     const int64_t r = r0 + g0;
     __m512 s[VV][GB];
@@ -98,9 +112,7 @@ inline void rows_step(int64_t r0, int64_t group, int64_t visible, const uint32_t
       __m512 smax = neg_inf;
 #pragma GCC unroll 4
       for (int64_t v = 0; v < VV; ++v) {
-        const int64_t left = std::min<int64_t>(16, visible - 16 * v);
-        const __mmask16 valid = left > 0 ? static_cast<__mmask16>((1u << left) - 1u) : 0;
-        s[v][g] = _mm512_mask_blend_ps(valid, neg_inf, _mm512_mul_ps(s[v][g], scale_v));
+        s[v][g] = _mm512_mask_blend_ps(valid[v], neg_inf, _mm512_mul_ps(s[v][g], scale_v));
         smax = _mm512_max_ps(smax, s[v][g]);
       }
       const float mx = std::max(m[r + g], _mm512_reduce_max_ps(smax));
@@ -124,7 +136,7 @@ inline void rows_step(int64_t r0, int64_t group, int64_t visible, const uint32_t
 #pragma GCC unroll 8
       for (int64_t c = 0; c < C; ++c) a[g][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + (r + g) * HD + c * 16), cv);
     }
-    for (int64_t tp = 0; tp < pairs; ++tp) {
+    for (int64_t tp = start / 2; tp < pairs; ++tp) {  // the pairs before start weigh 0
       __m512bh vlo[C2], vhi[C2];
 #pragma GCC unroll 4
       for (int64_t c = 0; c < C2; ++c) {
@@ -179,13 +191,15 @@ struct PrefillIsa {
     }
   };
   template <int64_t HD, int64_t GB>
-  static void rows(const Tile<HD>& tile, const BF* const* /*vrow*/, int64_t r0, int64_t group, int64_t visible,
-                   const QueryElem* qbuf, float* acc, float* m, float* l, float scale) {
+  static void rows(const Tile<HD>& tile, const BF* const* /*vrow*/, int64_t r0, int64_t group, int64_t start,
+                   int64_t visible, const QueryElem* qbuf, float* acc, float* m, float* l, float scale) {
+    const __m512i* kt = tile.kt;
+    const __m512i* vp = tile.vp;
     switch ((visible + 15) / 16) {
-      case 1: rows_step<HD, GB, 1>(r0, group, visible, qbuf, tile.kt, tile.vp, acc, m, l, scale); break;
-      case 2: rows_step<HD, GB, 2>(r0, group, visible, qbuf, tile.kt, tile.vp, acc, m, l, scale); break;
-      case 3: rows_step<HD, GB, 3>(r0, group, visible, qbuf, tile.kt, tile.vp, acc, m, l, scale); break;
-      default: rows_step<HD, GB, 4>(r0, group, visible, qbuf, tile.kt, tile.vp, acc, m, l, scale); break;
+      case 1: rows_step<HD, GB, 1>(r0, group, start, visible, qbuf, kt, vp, acc, m, l, scale); break;
+      case 2: rows_step<HD, GB, 2>(r0, group, start, visible, qbuf, kt, vp, acc, m, l, scale); break;
+      case 3: rows_step<HD, GB, 3>(r0, group, start, visible, qbuf, kt, vp, acc, m, l, scale); break;
+      default: rows_step<HD, GB, 4>(r0, group, start, visible, qbuf, kt, vp, acc, m, l, scale); break;
     }
   }
   // o[0..HD) = ar * inv in bf16, the interleave undone.
@@ -243,10 +257,12 @@ __attribute__((always_inline)) inline void scores_block(const uint32_t (*kbuf)[8
 // One query position's `group` heads (rows r0 .. r0 + group - 1 of the work item) against one key
 // tile, GB heads at a time, as rows_step on AVX-512: the scores (SG heads by VB key vectors a
 // pass, as the 16 registers hold them), one online-softmax update per row, the weights rounded to
-// bf16, then P V one value row at a time straight from the cache, GB heads by DT dims a pass.
+// bf16, then P V one value row at a time straight from the cache, GB heads by DT dims a pass. The
+// row sees the tile's keys start .. visible - 1: score vectors wholly before start (a sliding
+// window's edge) are neither computed nor read, and P V begins at start.
 template <int64_t HD, int64_t GB>
-inline void rows_step(int64_t r0, int64_t group, int64_t visible, const uint32_t (*kbuf)[8], const BF* const* vrow,
-                      const float* qf, float* acc, float* m, float* l, float scale) {
+inline void rows_step(int64_t r0, int64_t group, int64_t start, int64_t visible, const uint32_t (*kbuf)[8],
+                      const BF* const* vrow, const float* qf, float* acc, float* m, float* l, float scale) {
   constexpr int64_t SG = GB == 4 ? 2 : GB;                   // heads per scores pass
   constexpr int64_t VB = SG == 1 ? 8 : SG == 2 ? 4 : 2;      // key vectors per scores pass (divides 8)
   constexpr int64_t DT = GB == 1 ? 64 : GB == 2 ? 32 : 16;   // dims per P V pass
@@ -254,19 +270,22 @@ inline void rows_step(int64_t r0, int64_t group, int64_t visible, const uint32_t
   const __m256 neg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   const __m256 scale_v = _mm256_set1_ps(scale);
   const int64_t nv = (visible + 7) / 8;  // score vectors in use
+  const int64_t v1 = start / 8;          // the first of them: those before hold keys the row does not see
+  // the first vector's keys before start (none without a window) get no weight, as those past visible
+  const __m256 first_keys = _mm256_andnot_ps(lanes_below(start - 8 * v1), lanes_below(visible - 8 * v1));
   for (int64_t g0 = 0; g0 < group; g0 += GB) {
     const int64_t r = r0 + g0;
     alignas(32) float s[GB][kKeys];  // the scores, then the weights (bf16 values as fp32)
 #pragma GCC unroll 2
     for (int64_t h = 0; h < GB; h += SG)
-      for (int64_t v0 = 0; v0 < nv; v0 += VB) scores_block<HD, SG, VB>(kbuf, v0, qf + (r + h) * HD, s + h);
+      for (int64_t v0 = v1 / VB * VB; v0 < nv; v0 += VB) scores_block<HD, SG, VB>(kbuf, v0, qf + (r + h) * HD, s + h);
     float corr[GB];
 #pragma GCC unroll 4
     for (int64_t g = 0; g < GB; ++g) {
       __m256 smax = neg_inf;
-      for (int64_t v = 0; v < nv; ++v) {
-        const __m256 x = _mm256_blendv_ps(neg_inf, _mm256_mul_ps(_mm256_load_ps(s[g] + 8 * v), scale_v),
-                                          lanes_below(visible - 8 * v));
+      for (int64_t v = v1; v < nv; ++v) {
+        const __m256 seen = v == v1 ? first_keys : lanes_below(visible - 8 * v);
+        const __m256 x = _mm256_blendv_ps(neg_inf, _mm256_mul_ps(_mm256_load_ps(s[g] + 8 * v), scale_v), seen);
         _mm256_store_ps(s[g] + 8 * v, x);
         smax = _mm256_max_ps(smax, x);
       }
@@ -274,7 +293,7 @@ inline void rows_step(int64_t r0, int64_t group, int64_t visible, const uint32_t
       corr[g] = std::exp(m[r + g] - mx);  // 0 on the first tile (m = -inf)
       const __m256 mxv = _mm256_set1_ps(mx);
       __m256 psum = _mm256_setzero_ps();
-      for (int64_t v = 0; v < nv; ++v) {
+      for (int64_t v = v1; v < nv; ++v) {
         const __m256 x = _mm256_load_ps(s[g] + 8 * v);
         const __m256 seen = _mm256_cmp_ps(x, neg_inf, _CMP_NEQ_OQ);  // masked keys weigh exactly 0
         const __m256 pr = _mm256_and_ps(seen, avx2::exp_clamped8(_mm256_sub_ps(x, mxv)));
@@ -292,7 +311,7 @@ inline void rows_step(int64_t r0, int64_t group, int64_t visible, const uint32_t
 #pragma GCC unroll 8
         for (int64_t c = 0; c < A; ++c) a[g][c] = _mm256_mul_ps(_mm256_loadu_ps(acc + (r + g) * HD + d0 + 8 * c), cv);
       }
-      for (int64_t t = 0; t < visible; ++t) {
+      for (int64_t t = start; t < visible; ++t) {
         const BF* row = vrow[t] + d0;
         __m256 w[GB];
 #pragma GCC unroll 4
@@ -325,9 +344,9 @@ struct PrefillIsa {
     void load(const BF* const* krow, const BF* const* /*vrow*/, int64_t /*nk*/) { transpose_keys<HD, 8>(krow, kbuf); }
   };
   template <int64_t HD, int64_t GB>
-  static void rows(const Tile<HD>& tile, const BF* const* vrow, int64_t r0, int64_t group, int64_t visible,
-                   const QueryElem* qf, float* acc, float* m, float* l, float scale) {
-    rows_step<HD, GB>(r0, group, visible, tile.kbuf, vrow, qf, acc, m, l, scale);
+  static void rows(const Tile<HD>& tile, const BF* const* vrow, int64_t r0, int64_t group, int64_t start,
+                   int64_t visible, const QueryElem* qf, float* acc, float* m, float* l, float scale) {
+    rows_step<HD, GB>(r0, group, start, visible, tile.kbuf, vrow, qf, acc, m, l, scale);
   }
   // o[0..HD) = ar * inv in bf16: each 16 dims' even and odd halves interleaved back in order.
   template <int64_t HD>
@@ -342,17 +361,21 @@ struct PrefillIsa {
 
 #if defined(LORAPLANE_AVX512_BF16) || defined(LORAPLANE_AVX2)
 // The flash-attention loop over (kv head, query tile) work items, shared by both instruction sets
-// (PrefillIsa: the vector parts). GB: heads per register block, a divisor of the group.
+// (PrefillIsa: the vector parts). GB: heads per register block, a divisor of the group. window > 0:
+// query i sees keys ctx + i - window + 1 .. ctx + i alone.
 template <int64_t HD, int64_t GB>
 void prefill_kernel(BF* out, int64_t out_stride, const BF* q, int64_t q_stride, const BF* k_cache, const BF* v_cache,
                     int64_t cache_block_stride, int64_t block_size, int64_t num_kv_heads, int64_t group,
-                    const int64_t* table, int64_t n, int64_t ctx, float scale) {
+                    const int64_t* table, int64_t n, int64_t ctx, float scale, int64_t window) {
   using Isa = PrefillIsa;
   constexpr int64_t QE = Isa::kQueryElems<HD>;
   const int64_t row_stride = num_kv_heads * HD;
   const int64_t tiles = (n + kQueryTile - 1) / kQueryTile;
+  // the first key query i sees (0 without a window); a query tile's keys start at its first query's
+  const auto first_key = [&](int64_t i) { return window > 0 ? std::max<int64_t>(0, ctx + i - window + 1) : 0; };
   const auto cost = [&](int64_t item) {  // the keys a tile's queries see
-    return ctx + std::min(n, (item % tiles + 1) * kQueryTile);
+    const int64_t i0 = item % tiles * kQueryTile;
+    return ctx + std::min(n, i0 + kQueryTile) - first_key(i0);
   };
   loraplane_cpu::parallel_by_cost(num_kv_heads * tiles, cost, [&](int64_t begin, int64_t end) {
     const int64_t rows_max = group * kQueryTile;
@@ -368,8 +391,9 @@ void prefill_kernel(BF* out, int64_t out_stride, const BF* q, int64_t q_stride, 
       std::fill(l.begin(), l.begin() + rows, 0.f);
       for (int64_t r = 0; r < rows; ++r)
         Isa::load_query<HD>(qbuf.data() + r * QE, q + (i0 + r / group) * q_stride + (kvh * group + r % group) * HD);
-      const int64_t last_key = ctx + i1;  // keys [0, last_key) are visible to some query of the tile
-      for (int64_t j0 = 0; j0 < last_key; j0 += kKeys) {
+      // keys [first_key(i0), last_key) are visible to some query of the tile; those before it are never read
+      const int64_t last_key = ctx + i1;
+      for (int64_t j0 = first_key(i0); j0 < last_key; j0 += kKeys) {
         const int64_t nk = std::min(kKeys, last_key - j0);
         const BF* krow[kKeys];
         const BF* vrow[kKeys];
@@ -381,10 +405,13 @@ void prefill_kernel(BF* out, int64_t out_stride, const BF* q, int64_t q_stride, 
         }
         tile.load(krow, vrow, nk);
         for (int64_t i = i0; i < i1; ++i) {
-          const int64_t visible = std::min<int64_t>(nk, ctx + i + 1 - j0);  // keys of this tile query i sees
-          if (visible <= 0) continue;
-          Isa::rows<HD, GB>(tile, vrow, (i - i0) * group, group, visible, qbuf.data(), acc.data(), m.data(), l.data(),
-                            scale);
+          // keys start .. visible - 1 of this tile are query i's: past its position, or before its window, none
+          const int64_t visible = std::min<int64_t>(nk, ctx + i + 1 - j0);
+          const int64_t start = std::max<int64_t>(0, first_key(i) - j0);
+          // no key to see: no softmax update at all (a row's m is -inf till its first key; -inf - -inf is NaN)
+          if (visible <= start) continue;
+          Isa::rows<HD, GB>(tile, vrow, (i - i0) * group, group, start, visible, qbuf.data(), acc.data(), m.data(),
+                            l.data(), scale);
         }
       }
       for (int64_t r = 0; r < rows; ++r) {
@@ -401,9 +428,12 @@ void prefill_kernel(BF* out, int64_t out_stride, const BF* q, int64_t q_stride, 
 namespace loraplane_cpu {
 
 // out, q: [n, H, D] (rows may be strided; heads and dims contiguous), bf16; caches [N, B, KVH, D];
-// block_table: [W] int64 covering ctx + n tokens; ctx: tokens cached before the chunk.
+// block_table: [W] int64 covering ctx + n tokens; ctx: tokens cached before the chunk; window > 0: query i
+// attends positions ctx + i - window + 1 .. ctx + i alone (a sliding-window layer), and the table's entries
+// for blocks wholly before the first query's window are never read; 0: all of 0 .. ctx + i.
 void paged_prefill_attention_(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
-                              const at::Tensor& v_cache, const at::Tensor& block_table, int64_t ctx, double scale) {
+                              const at::Tensor& v_cache, const at::Tensor& block_table, int64_t ctx, double scale,
+                              int64_t window) {
   TORCH_CHECK(q.device().is_cpu(), "paged_prefill_attention_: CPU tensors only");
   TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(), "q and out must be [n, H, D] of one shape");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(), "caches must be [N, B, KVH, D]");
@@ -422,12 +452,13 @@ void paged_prefill_attention_(at::Tensor& out, const at::Tensor& q, const at::Te
   TORCH_CHECK(block_table.scalar_type() == at::kLong && block_table.dim() == 1 && block_table.is_contiguous(),
               "block_table must be a contiguous int64 [W]");
   TORCH_CHECK(ctx >= 0 && block_table.size(0) * block_size >= ctx + n, "block_table must cover ctx + n tokens");
+  TORCH_CHECK(window >= 0, "paged_prefill_attention_: window must be >= 0 (0: none)");
   if (n == 0) return;
 #if defined(LORAPLANE_AVX512_BF16) || defined(LORAPLANE_AVX2)
   auto run = [&](auto kernel) {
     kernel(out.data_ptr<BF>(), out.stride(0), q.data_ptr<BF>(), q.stride(0), k_cache.data_ptr<BF>(),
            v_cache.data_ptr<BF>(), k_cache.stride(0), block_size, kv_heads, heads / kv_heads,
-           block_table.data_ptr<int64_t>(), n, ctx, static_cast<float>(scale));
+           block_table.data_ptr<int64_t>(), n, ctx, static_cast<float>(scale), window);
   };
   // heads per register block: the largest that divides the group with GB x head_dim/16 accumulators
   // <= 16 (AVX-512); AVX2 passes over the dims in parts, so head_dim 128 takes head_dim 64's blocks
