@@ -57,8 +57,10 @@ DEFAULT_STEP_BUDGET_S = 300.0
 class ServerProcess:
     """`python -m loraplane_server.serving.cli serve ...` on a free port; output goes to a log file."""
 
-    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
-        self.port = free_port()
+    def __init__(
+        self, args: list[str], log_path: Path, env: dict[str, str] | None = None, port: int | None = None
+    ) -> None:
+        self.port = free_port() if port is None else port
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         cmd = [

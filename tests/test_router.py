@@ -3,6 +3,7 @@ within an adapter's home, the load bound, the fallback, spilling a hot adapter a
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -12,6 +13,7 @@ from prometheus_client import generate_latest
 
 from loraplane_server.serving.router.app import Router, RouterConfig, adapter_of, tier_name
 from loraplane_server.serving.router.choice import PodView, Spill, choose, load_bound
+from loraplane_server.serving.router.hold import Hold, HoldFull
 from loraplane_server.serving.router.metrics import OTHER, POD_SERIES_TTL_S, AdapterCount, AdapterCounts, RouterMetrics
 from loraplane_server.serving.router.pool import KubePods, _load, static_targets, with_port
 from loraplane_server.serving.router.ranking import rank
@@ -299,3 +301,61 @@ def test_a_spilled_adapter_goes_to_its_least_loaded_home_pod_holding_it_or_not()
     assert [p.name for p in choose("hot", view, width=3, epsilon=3.0)][:3] == [third, second, first]
     by_name[first].others = 2  # 2 in memory against 0 + MISS_COST: a tie, the pod holding it first
     assert [p.name for p in choose("hot", view, width=3, epsilon=3.0)][:3] == [first, third, second]
+
+
+# the hold: requests wait for a Ready pod (a pool scaled to zero wakes on their count)
+
+
+def test_the_hold_returns_what_appears_once_woken_and_counts_its_waiters() -> None:
+    async def scenario() -> None:
+        hold = Hold(max_held=2, timeout_s=5.0)
+        found: list[str] = []
+        waiter = asyncio.ensure_future(hold.wait(lambda: found[0] if found else None))
+        await asyncio.sleep(0.05)
+        assert hold.held == 1 and not waiter.done()
+        hold.wake()  # a poll that found nothing: the waiter looks again and keeps waiting
+        await asyncio.sleep(0.05)
+        assert not waiter.done()
+        found.append("pod-a")
+        hold.wake()
+        value, waited = await asyncio.wait_for(waiter, 1.0)
+        assert value == "pod-a" and 0.05 < waited < 1.0 and hold.held == 0
+
+    asyncio.run(scenario())
+
+
+def test_the_hold_is_bounded_in_time_and_in_number() -> None:
+    async def scenario() -> None:
+        hold = Hold(max_held=1, timeout_s=0.2)
+        first = asyncio.ensure_future(hold.wait(lambda: None))
+        await asyncio.sleep(0.01)
+        with pytest.raises(HoldFull):
+            await hold.wait(lambda: None)
+        value, waited = await first
+        assert value is None and waited >= 0.2 and hold.held == 0
+        assert await hold.wait(lambda: "now") == ("now", pytest.approx(0.0, abs=0.05))  # no wait when found
+
+    asyncio.run(scenario())
+    assert not Hold(0, 60).enabled and not Hold(8, 0).enabled and Hold(8, 60).enabled
+    with pytest.raises(ValueError, match="hold"):
+        Hold(-1, 1)
+    with pytest.raises(ValueError, match="hold"):
+        RouterConfig(pods=("http://127.0.0.1:1",), hold_timeout_s=-1)
+
+
+def test_a_router_without_ready_pods_exports_what_it_holds() -> None:
+    async def scenario() -> None:
+        async with httpx.AsyncClient() as http:
+            router = Router(RouterConfig(pods=("cold=http://127.0.0.1:9",), hold_max=4, hold_timeout_s=5.0), http)
+            waiter = asyncio.ensure_future(router._hold(None))
+            await asyncio.sleep(0.05)
+            text = generate_latest(router.metrics.registry).decode()
+            assert "loraplane_router_held_requests 1.0" in text
+            router.pool.pods = {"cold": PodView("cold", "http://127.0.0.1:9", {})}
+            router.after_poll()  # a poll that found a Ready pod wakes the held requests
+            order = await asyncio.wait_for(waiter, 1.0)
+            assert [p.name for p in order] == ["cold"]  # type: ignore[union-attr]
+            text = generate_latest(router.metrics.registry).decode()
+            assert "loraplane_router_held_requests 0.0" in text and "loraplane_router_held_seconds_count 1.0" in text
+
+    asyncio.run(scenario())

@@ -8,8 +8,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -30,7 +31,7 @@ class RouterProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "loraplane_server.serving.cli", "router", "--port", str(self.port), *flags]
-        for name, pod in zip(POD_NAMES, pods, strict=True):
+        for name, pod in zip(POD_NAMES[: len(pods)], pods, strict=True):
             cmd += ["--pod", f"{name}={pod.url}"]
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
         env = {**os.environ, "LORAPLANE_ADMIN_TOKEN": ADMIN_TOKEN}
@@ -59,6 +60,11 @@ class RouterProcess:
                 labels = dict(kv.split("=") for kv in line[line.index("{") + 1 : line.index("}")].split(","))
                 out[(labels["pod"].strip('"'), labels["tier"].strip('"'))] = float(line.rsplit(" ", 1)[1])
         return out
+
+    def gauge(self, series: str) -> float:
+        """The value of one series as the metrics text names it (`name` or `name{labels}`); 0 when absent."""
+        text = httpx.get(f"{self.url}/metrics", timeout=5).text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.rsplit(" ", 1)[0] == series)
 
     def counter(self, name: str) -> float:
         text = httpx.get(f"{self.url}/metrics", timeout=5).text
@@ -212,3 +218,74 @@ def test_a_pod_that_stops_answering_is_skipped_before_the_first_byte(pool: list[
         assert router.counter("loraplane_router_failures") == 0
     finally:
         router.stop()
+
+
+def test_a_request_with_no_ready_pod_is_held_until_one_starts(smollm2_dir: Path, tmp_path: Path) -> None:
+    """Scale from zero as the router sees it: the pool's one pod is not up; /ready still answers (the router takes
+    requests), a request waits and is counted in loraplane_router_held_requests, and once the server has started
+    and loaded the model the held request is served by it. Bounded: past --hold-timeout, and beyond --hold-max
+    waiting at once, a 503 with Retry-After."""
+    port = free_port()
+    flags = ["--pod", f"cold=http://127.0.0.1:{port}", "--poll-seconds", "0.2", "--hold-timeout", "180"]
+    router = RouterProcess([], tmp_path / "router.log", *flags)
+    server: ServerProcess | None = None
+    try:
+        wait_for(lambda: _get(f"{router.url}/ready"), 60)
+        ready = httpx.get(f"{router.url}/ready", timeout=5)
+        assert ready.status_code == 200 and ready.json() == {"status": "holding: no Ready server pod", "pods": []}
+        answers: list[httpx.Response] = []
+        body = {"model": "smollm2-135m", "prompt": PROMPT, "max_tokens": 4, "temperature": 0}
+        client = threading.Thread(
+            target=lambda: answers.append(httpx.post(f"{router.url}/v1/completions", json=body, timeout=240))
+        )
+        client.start()
+        wait_for(lambda: router.gauge("loraplane_router_held_requests") == 1, 30)
+        server = ServerProcess([], tmp_path / "pod.log", port=port)
+        server.wait_ready()
+        client.join(240)
+        (answer,) = answers
+        assert answer.status_code == 200, answer.text
+        assert answer.headers["x-loraplane-pod"] == "cold" and answer.json()["choices"][0]["text"]
+        assert router.gauge("loraplane_router_held_requests") == 0
+        assert router.gauge("loraplane_router_held_seconds_count") == 1
+    finally:
+        router.stop()
+        if server is not None:
+            server.stop()
+
+    # bounded: one waits (then times out), the next is refused at once
+    flags = ["--pod", f"gone=http://127.0.0.1:{free_port()}", "--hold-timeout", "2", "--hold-max", "1"]
+    router = RouterProcess([], tmp_path / "router2.log", *flags)
+    try:
+        wait_for(lambda: _get(f"{router.url}/ready"), 60)
+        first: list[httpx.Response] = []
+        client = threading.Thread(
+            target=lambda: first.append(httpx.post(f"{router.url}/v1/completions", json=body, timeout=30))
+        )
+        started = time.monotonic()
+        client.start()
+        wait_for(lambda: router.gauge("loraplane_router_held_requests") == 1, 10)
+        full = httpx.post(f"{router.url}/v1/completions", json=body, timeout=30)
+        assert full.status_code == 503 and "already wait" in full.json()["error"]["message"]
+        assert int(full.headers["retry-after"]) >= 1
+        client.join(30)
+        assert first[0].status_code == 503 and "within 2 s" in first[0].json()["error"]["message"]
+        assert first[0].headers["retry-after"] and time.monotonic() - started >= 2
+        assert router.gauge('loraplane_router_failures_total{reason="hold_full"}') == 1
+        assert router.gauge('loraplane_router_failures_total{reason="hold_timeout"}') == 1
+    finally:
+        router.stop()
+
+
+def _get(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def wait_for(check: Callable[[], bool], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"not within {timeout} s"
+        time.sleep(0.1)

@@ -475,6 +475,14 @@ def _router_args(p: argparse.ArgumentParser) -> None:
         help="the pods' engine: loraplane servers, or vllm serve pods (residency from /v1/models; an adapter "
         "goes only to the pods holding it; $LORAPLANE_ADMIN_TOKEN is then vLLM's --api-key)",
     )
+    p.add_argument(
+        "--hold-timeout",
+        type=float,
+        default=120.0,
+        help="seconds a request waits for a Ready pod when there is none (a pool scaled to zero wakes on the held "
+        "count); then 503 with Retry-After. 0: refuse at once",
+    )
+    p.add_argument("--hold-max", type=int, default=256, help="requests held at once; the next gets a 503 at once")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -500,6 +508,8 @@ def cmd_router(a: argparse.Namespace) -> int:
             spill_queue=a.spill_queue,
             poll_s=a.poll_seconds,
             engine=a.engine,
+            hold_max=a.hold_max,
+            hold_timeout_s=a.hold_timeout,
         )
     except ValueError as exc:
         print(f"loraplane router: {exc}", file=sys.stderr)

@@ -5,8 +5,10 @@ pods for it. A pod that cannot be reached before any byte of its answer, or that
 door (429 queue full, 503 loading or draining), is left for the next one in that order; once the answer has
 started it streams through as it comes (SSE included), and a client that hangs up closes the upstream
 request, so the pod aborts it. Every routed answer names its pod (`x-loraplane-pod`). Adapter admin is per pod
-and not routed (404 with a hint). The router's own /health, /ready (some pod Ready) and /metrics
-(serving/router/metrics.py; the pods' own metrics are scraped from the pods).
+and not routed (404 with a hint). A request that finds no Ready pod (a pool scaled to zero, or restarting) waits
+in the hold (serving/router/hold.py) for one, bounded in number and time, then gets a 503 with Retry-After; the
+held count is what wakes a pool at zero. The router's own /health, /ready (some pod Ready, or the hold on) and
+/metrics (serving/router/metrics.py; the pods' own metrics are scraped from the pods).
 
 `engine` is the pods' kind: our servers, or vLLM pods (residency and load read from vLLM's routes; an adapter
 goes only to the pods holding it, as a vLLM pod cannot load one on demand).
@@ -32,6 +34,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from loraplane_server.serving.router.choice import MIN_BOUND, TIER_ORDER, PodView, Spill, choose
+from loraplane_server.serving.router.hold import Hold, HoldFull
 from loraplane_server.serving.router.metrics import RouterMetrics
 from loraplane_server.serving.router.pool import ENGINES, KubePods, Pool, static_targets
 
@@ -69,6 +72,8 @@ class RouterConfig:
     connect_timeout_s: float = 2.0
     adapter_labels: int = 64  # adapters with their own metric series (the busiest)
     engine: str = "loraplane"  # the pods' engine kind: loraplane or vllm (admin_token: vLLM's --api-key)
+    hold_max: int = 256  # requests held at once while no pod is Ready (0: refuse at once)
+    hold_timeout_s: float = 120.0  # how long a held request waits for a Ready pod (0: refuse at once)
 
     def __post_init__(self) -> None:
         if bool(self.pods) == bool(self.selector):
@@ -79,6 +84,8 @@ class RouterConfig:
             raise ValueError("epsilon >= 0, min_bound >= 1, spill_queue >= 1, poll_s > 0 and max_tries >= 1")
         if self.adapter_labels < 0:
             raise ValueError("adapter_labels >= 0")
+        if self.hold_max < 0 or self.hold_timeout_s < 0:
+            raise ValueError("--hold-max and --hold-timeout must be >= 0")
         if self.engine not in ENGINES:
             raise ValueError(f"--engine {self.engine!r}: expected one of {', '.join(ENGINES)}")
 
@@ -108,7 +115,8 @@ class Router:
         self.pool = Pool(http, static=static, kube=kube, admin_token=config.admin_token, engine=config.engine)
         self.spill = Spill(queue_threshold=config.spill_queue)
         self.metrics = RouterMetrics(config.adapter_labels)
-        self.metrics.watch_pool(lambda: len(self.pool.pods), lambda: self.spill.widths)
+        self.hold = Hold(config.hold_max, config.hold_timeout_s)
+        self.metrics.watch_pool(lambda: len(self.pool.pods), lambda: self.spill.widths, lambda: self.hold.held)
         self.base_models: set[str] = set()
 
     def order(self, adapter_id: str | None) -> list[PodView]:
@@ -130,6 +138,8 @@ class Router:
         pods, now = self.pool.ready(), time.monotonic()
         for adapter_id in list(self.spill.widths):
             self._observe(adapter_id, pods, now)
+        if pods:
+            self.hold.wake()
 
     async def learn_base_models(self) -> None:
         """The base model's names, from a pod's /v1/models (entries with no parent); on vLLM pods the poll reads
@@ -158,8 +168,10 @@ class Router:
         adapter_id = adapter_of(path, body, self.base_models) if path in GENERATION_ROUTES else None
         order = self.order(adapter_id)
         if not order:
-            self.metrics.failures.labels("no_ready_pod").inc()
-            return _error(503, "no Ready server pod", headers={"Retry-After": "1"})
+            refused = await self._hold(adapter_id)
+            if isinstance(refused, Response):
+                return refused
+            order = refused
         headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _DROP_HEADERS]
         candidates = order[: self.config.max_tries]
         for tried, pod in enumerate(candidates):
@@ -207,6 +219,26 @@ class Router:
             )
         self.metrics.failures.labels("unreachable").inc()
         return _error(502, f"no server pod answered (tried {min(len(order), self.config.max_tries)})")
+
+    async def _hold(self, adapter_id: str | None) -> list[PodView] | Response:
+        """No pod is Ready: wait in the hold for one (the pool scaled to zero wakes on the held count); the
+        pods' order once one is, or the 503 to answer."""
+        if not self.hold.enabled:
+            self.metrics.failures.labels("no_ready_pod").inc()
+            return _error(503, "no Ready server pod", headers={"Retry-After": "1"})
+        try:
+            order, waited = await self.hold.wait(lambda: self.order(adapter_id) or None)
+        except HoldFull:
+            self.metrics.failures.labels("hold_full").inc()
+            message = f"no Ready server pod, and {self.hold.max_held} requests already wait for one"
+            return _error(503, message, headers={"Retry-After": str(max(1, round(self.hold.timeout_s)))})
+        if order is None:
+            self.metrics.failures.labels("hold_timeout").inc()
+            message = f"no server pod became Ready within {self.hold.timeout_s:g} s (the pool may be scaling up)"
+            return _error(503, message, headers={"Retry-After": "5"})
+        self.metrics.held.observe(waited)
+        log.info("router: a held request goes to %s after %.1f s", order[0].name, waited)
+        return order
 
 
 def tier_name(pod: PodView, adapter_id: str | None) -> str:
@@ -277,9 +309,13 @@ def create_router_app(config: RouterConfig) -> Starlette:
         return JSONResponse({"status": "ok"})
 
     async def ready(request: Request) -> Response:
-        pods = state["router"].pool.ready()
-        body = {"status": "ready" if pods else "no Ready server pod", "pods": sorted(p.name for p in pods)}
-        return JSONResponse(body, 200 if pods else 503)
+        router = state["router"]
+        pods = router.pool.ready()
+        if pods:
+            return JSONResponse({"status": "ready", "pods": sorted(p.name for p in pods)})
+        if router.hold.enabled:  # it takes requests and holds them: what wakes a pool scaled to zero
+            return JSONResponse({"status": "holding: no Ready server pod", "pods": []})
+        return JSONResponse({"status": "no Ready server pod", "pods": []}, 503)
 
     async def metrics(request: Request) -> Response:
         router = state["router"]

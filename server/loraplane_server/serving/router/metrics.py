@@ -25,6 +25,8 @@ from loraplane_server.serving.bounded_labels import OTHER, BoundedLabels
 TIERS = ("device", "host", "disk", "loaded", "none", "base")
 RESIDENT_TIERS = frozenset({"device", "host", "disk", "loaded"})
 POD_SERIES_TTL_S = 300.0
+FAILURE_REASONS = ("unreachable", "no_ready_pod", "hold_full", "hold_timeout")  # serving/router/app.py's
+HELD_METRIC = "loraplane_router_held_requests"  # the operator's ScaledObject wakes a pool at zero on it
 
 
 @dataclass
@@ -56,10 +58,16 @@ class RouterMetrics:
         )
         self.retries = Counter("loraplane_router_retries", "Pods skipped before the first byte", registry=r)
         self.failures = Counter("loraplane_router_failures", "Requests no pod could take", ["reason"], registry=r)
+        for reason in FAILURE_REASONS:  # every series from the start, at 0: a rate() alert sees the first one
+            self.failures.labels(reason)
         self.spills = Counter("loraplane_router_spills", "Adapter homes widened to one more pod", registry=r)
         self.upstream = Histogram(
             "loraplane_router_upstream_seconds", "Time to the pod's response headers", registry=r,
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+        )  # fmt: skip
+        self.held = Histogram(
+            "loraplane_router_held_seconds", "Time a request waited for a Ready server pod (held, then routed)",
+            registry=r, buckets=(0.1, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300),
         )  # fmt: skip
         self.adapters = AdapterCounts(max_adapter_labels)
         self.pod_seen: dict[str, float] = {}
@@ -84,19 +92,31 @@ class RouterMetrics:
                     except KeyError:
                         pass
 
-    def watch_pool(self, pods: Callable[[], int], widths: Callable[[], Mapping[str, int]]) -> None:
-        """Scrape-time gauges: Ready pods, spilled adapters' home widths, the per-adapter series."""
-        self.registry.register(_ScrapeTime(self, pods, widths))
+    def watch_pool(
+        self, pods: Callable[[], int], widths: Callable[[], Mapping[str, int]], held: Callable[[], int] = lambda: 0
+    ) -> None:
+        """Scrape-time gauges: Ready pods, requests held for one, spilled adapters' home widths, the per-adapter
+        series."""
+        self.registry.register(_ScrapeTime(self, pods, widths, held))
 
 
 class _ScrapeTime(Collector):
     def __init__(
-        self, metrics: RouterMetrics, pods: Callable[[], int], widths: Callable[[], Mapping[str, int]]
+        self,
+        metrics: RouterMetrics,
+        pods: Callable[[], int],
+        widths: Callable[[], Mapping[str, int]],
+        held: Callable[[], int],
     ) -> None:
-        self.metrics, self.pods, self.widths = metrics, pods, widths
+        self.metrics, self.pods, self.widths, self.held = metrics, pods, widths, held
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         yield GaugeMetricFamily("loraplane_router_pods", "Ready server pods in the pool", value=self.pods())
+        yield GaugeMetricFamily(
+            HELD_METRIC,
+            "Requests waiting for a Ready server pod (a pool at zero wakes on it)",
+            value=self.held(),
+        )
         width = GaugeMetricFamily(
             "loraplane_router_adapter_home_width",
             "Pods in a spilled adapter's home (adapters at width 1 have no series)",
