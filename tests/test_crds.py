@@ -185,7 +185,10 @@ def test_defaulting_fills_what_the_operator_relies_on():
         "targetQueueDepth": 8,
         "scaleDownStabilizationSeconds": 300,
         "prometheusAddress": "http://prometheus-operated.monitoring.svc:9090",
+        "pollingIntervalSeconds": 30,
     }
+    router = apply_defaults(schema_of("BaseModelServer"), {"spec": {"router": {"enabled": True}}})["spec"]["router"]
+    assert (router["holdTimeoutSeconds"], router["holdMaxRequests"]) == (120, 256)
     lora = apply_defaults(schema_of("LoRAAdapter"), {"spec": {"baseModelServer": "s", "source": "/a"}})
     assert lora["spec"]["prewarm"] == {"tier": "host"} and lora["spec"]["pinned"] is False
 
@@ -428,7 +431,12 @@ def test_cel_autoscaling_bounds():
     assert violations("BaseModelServer", bms(autoscaling={"minReplicas": 0})) == []
     zero = {"enabled": True, "minReplicas": 0}
     assert any("needs kind: keda" in m for m in violations("BaseModelServer", bms(autoscaling=zero)))
-    assert violations("BaseModelServer", bms(autoscaling={**zero, "kind": "keda"})) == []
+    # scale to zero: nothing but the router's held requests can wake a pool with no pod
+    (message,) = violations("BaseModelServer", bms(autoscaling={**zero, "kind": "keda"}))
+    assert "needs router.enabled" in message
+    keda_zero = bms(autoscaling={**zero, "kind": "keda"}, router={"enabled": True})
+    assert violations("BaseModelServer", keda_zero) == []
+    assert violations("BaseModelServer", bms(autoscaling={**zero, "minReplicas": 1}, router={"enabled": False})) == []
 
 
 @pytest.mark.parametrize("name", ["Upper", "9lives", "a" * 64, "dot.ted"])

@@ -242,24 +242,44 @@ def test_hpa():
 
 
 def test_scaled_object():
-    auto = {"enabled": True, "kind": "keda", "minReplicas": 0, "maxReplicas": 5, "targetQueueDepth": 10}
+    auto = {"enabled": True, "kind": "keda", "minReplicas": 1, "maxReplicas": 5, "targetQueueDepth": 10}
     so = builders.get_autoscaler(bms(autoscaling=auto))
     assert (so["apiVersion"], so["kind"]) == ("keda.sh/v1alpha1", "ScaledObject")
     spec = so["spec"]
     assert spec["scaleTargetRef"]["name"] == "smollm2"
-    assert (spec["minReplicaCount"], spec["maxReplicaCount"]) == (0, 5)
-    (trigger,) = spec["triggers"]
-    assert trigger["type"] == "prometheus" and trigger["metricType"] == "AverageValue"
-    assert trigger["metadata"]["threshold"] == "10"
+    assert (spec["minReplicaCount"], spec["maxReplicaCount"], spec["pollingInterval"]) == (1, 5, 30)
+    (trigger,) = spec["triggers"]  # above zero: the queue alone
+    assert trigger["type"] == "prometheus" and trigger["metricType"] == "AverageValue" and trigger["name"] == "queue"
+    assert trigger["metadata"]["threshold"] == "10" and trigger["metadata"]["activationThreshold"] == "0"
     assert trigger["metadata"]["query"] == 'sum(loraplane_queue_depth{namespace="ml",pod=~"smollm2-.*"})'
     assert trigger["metadata"]["serverAddress"].startswith("http://")
     behavior = spec["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]
-    assert behavior["scaleDown"]["stabilizationWindowSeconds"] == 300
+    assert behavior["scaleDown"]["stabilizationWindowSeconds"] == 300 and "cooldownPeriod" not in spec
     custom = builders.get_scaled_object(bms(autoscaling={**auto, "query": "sum(x)", "prometheusAddress": "http://p"}))
     assert (
         custom["spec"]["triggers"][0]["metadata"] | {"query": "sum(x)", "serverAddress": "http://p"}
         == custom["spec"]["triggers"][0]["metadata"]
     )
+
+
+def test_a_scaled_object_at_zero_wakes_on_held_requests_and_stays_up_while_any_runs():
+    auto = {"enabled": True, "kind": "keda", "minReplicas": 0, "maxReplicas": 3, "targetQueueDepth": 4}
+    auto |= {"scaleDownStabilizationSeconds": 90, "pollingIntervalSeconds": 5, "prometheusAddress": "http://p:9090"}
+    spec = builders.get_scaled_object(bms(autoscaling=auto, engine={"maxNumSeqs": 16}, router={"enabled": True}))[
+        "spec"
+    ]
+    assert (spec["minReplicaCount"], spec["pollingInterval"], spec["cooldownPeriod"]) == (0, 5, 90)
+    triggers = {t["name"]: t["metadata"] for t in spec["triggers"]}
+    assert list(triggers) == ["queue", "held", "running"]
+    assert triggers["held"]["query"] == 'sum(loraplane_router_held_requests{namespace="ml",pod=~"smollm2-router-.*"})'
+    assert triggers["held"]["threshold"] == "4"  # held requests count as queued ones
+    assert triggers["running"]["query"] == 'sum(loraplane_requests_running{namespace="ml",pod=~"smollm2-.*"})'
+    assert triggers["running"]["threshold"] == "16"  # a pod's worth of running requests: never more pods than needed
+    assert {t["activationThreshold"] for t in triggers.values()} == {"0"}
+    assert {t["serverAddress"] for t in triggers.values()} == {"http://p:9090"}
+    vllm = bms(autoscaling=auto, engine={"kind": "vllm"}, router={"enabled": True})
+    running = builders.get_scaled_object(vllm)["spec"]["triggers"][2]["metadata"]
+    assert running["query"].startswith("sum(vllm:num_requests_running{") and running["threshold"] == "64"
 
 
 def test_no_autoscaler_unless_enabled():

@@ -42,6 +42,7 @@ def test_deployment_runs_the_router_on_the_server_pods() -> None:
     flag = {args[i]: args[i + 1] for i in range(0, len(args), 2)}
     assert flag["--namespace"] == "ml" and flag["--selector"] == builders.selector_string("smollm2")
     assert flag["--pod-port"] == "9000" and flag["--epsilon"] == "0.5" and flag["--spill-queue"] == "4"
+    assert (flag["--hold-timeout"], flag["--hold-max"]) == ("120", "256")  # a pool with no Ready pod: held, bounded
     assert "--pod-admin-port" not in flag  # each server pod names its admin port: old and new pods both read
     assert flag["--host"] == f"$({c.POD_IP_ENV})"  # the pod's own address
     assert container["env"] == [

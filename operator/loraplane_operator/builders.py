@@ -487,6 +487,7 @@ def _autoscaling(spec: Mapping[str, Any]) -> dict[str, Any]:
         "stabilization": int(a.get("scaleDownStabilizationSeconds", 300)),
         "prometheus": a.get("prometheusAddress") or "http://prometheus-operated.monitoring.svc:9090",
         "query": a.get("query"),
+        "polling": int(a.get("pollingIntervalSeconds", 30)),
     }
 
 
@@ -531,33 +532,60 @@ def queue_depth_query(namespace: str, name: str, spec: Mapping[str, Any] | None 
     return f'sum({queue_metric(spec or {})}{{namespace="{namespace}",pod=~"{name}-.*"}})'
 
 
+def running_query(namespace: str, name: str, spec: Mapping[str, Any]) -> str:
+    """Requests the server pods are generating (none waiting is not idle: a pool at zero must not drop them)."""
+    metric = c.VLLM_RUNNING_METRIC if is_vllm(spec) else c.RUNNING_METRIC
+    return f'sum({metric}{{namespace="{namespace}",pod=~"{name}-.*"}})'
+
+
+def held_query(namespace: str, name: str) -> str:
+    """Requests the server's router pods hold while no server pod is Ready: what wakes a pool at zero."""
+    return f'sum({c.ROUTER_HELD_METRIC}{{namespace="{namespace}",pod=~"{name}-router-.*"}})'
+
+
+def _prometheus_trigger(name: str, address: str, query: str, threshold: int) -> dict[str, Any]:
+    # activationThreshold 0 (KEDA's default, written out): a trigger is active while its value is above 0
+    metadata = {"serverAddress": address, "query": query, "threshold": str(threshold), "activationThreshold": "0"}
+    return {"type": "prometheus", "name": name, "metricType": "AverageValue", "metadata": metadata}
+
+
 def get_scaled_object(bms: Body) -> dict[str, Any]:
-    """KEDA ScaledObject with a Prometheus trigger; AverageValue divides the summed queue by the replicas."""
+    """KEDA ScaledObject with Prometheus triggers; AverageValue divides a summed value by the replicas (KEDA's
+    HPA takes the most replicas any trigger asks for).
+
+    The queue: the server pods' waiting requests, targetQueueDepth a pod. With minReplicas 0 two more: the
+    requests the router holds while no pod is Ready (they count as queued; their count above 0 wakes the pool
+    from zero), and the requests running (threshold maxNumSeqs a pod: never more pods than the queue asks, but
+    the pool stays up while any runs). KEDA scales to zero once every trigger has been 0 for cooldownPeriod
+    (the scale-down stabilization)."""
     meta = bms["metadata"]
     name, namespace = meta["name"], meta.get("namespace") or "default"
     spec = bms.get("spec") or {}
     a = _autoscaling(spec)
-    so_spec = {
+    triggers = [
+        _prometheus_trigger(
+            "queue", a["prometheus"], a["query"] or queue_depth_query(namespace, name, spec), a["target"]
+        )
+    ]
+    so_spec: dict[str, Any] = {
         "scaleTargetRef": scale_target(name, spec),
         "minReplicaCount": a["min"],
         "maxReplicaCount": a["max"],
+        "pollingInterval": a["polling"],
         "advanced": {
             "horizontalPodAutoscalerConfig": {
                 "behavior": {"scaleDown": {"stabilizationWindowSeconds": a["stabilization"]}},
             },
         },
-        "triggers": [
-            {
-                "type": "prometheus",
-                "metricType": "AverageValue",
-                "metadata": {
-                    "serverAddress": a["prometheus"],
-                    "query": a["query"] or queue_depth_query(namespace, name, spec),
-                    "threshold": str(a["target"]),
-                },
-            }
-        ],
+        "triggers": triggers,
     }
+    if a["min"] == 0:
+        max_num_seqs = int((spec.get("engine") or {}).get("maxNumSeqs") or c.DEFAULT_MAX_NUM_SEQS)
+        triggers.append(_prometheus_trigger("held", a["prometheus"], held_query(namespace, name), a["target"]))
+        triggers.append(
+            _prometheus_trigger("running", a["prometheus"], running_query(namespace, name, spec), max_num_seqs)
+        )
+        so_spec["cooldownPeriod"] = a["stabilization"]
     return manifest(c.KEDA_API_VERSION, "ScaledObject", bms, so_spec)
 
 

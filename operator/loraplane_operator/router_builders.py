@@ -58,6 +58,8 @@ def router_args(namespace: str, server: str, spec: Mapping[str, Any]) -> list[st
         "--port", str(ROUTER_PORT),
         "--epsilon", str(router.get("epsilon", 0.5)),
         "--spill-queue", str(router.get("spillQueue", 8)),
+        "--hold-timeout", str(router.get("holdTimeoutSeconds", 120)),
+        "--hold-max", str(router.get("holdMaxRequests", 256)),
     ]  # fmt: skip
     if builders.engine_kind(spec) == c.ENGINE_VLLM:
         args += ["--engine", c.ENGINE_VLLM]
