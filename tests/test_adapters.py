@@ -305,5 +305,7 @@ def test_failed_loads_say_whether_a_retry_may_help(tiny_llama_dir: Path, good_ad
         for name, (_, transient) in cases.items():
             assert rows[name]["state"] == "failed" and rows[name]["last_error"], (name, rows[name])
             assert rows[name]["error_transient"] is transient, (name, rows[name]["last_error"])
+        # /metrics counts them by kind (loraplane_adapter_load_failures, what the chart's alert reads)
+        assert engine.snapshot().load_failures == {"transient": 2, "permanent": 3}
     finally:
         server.shutdown()

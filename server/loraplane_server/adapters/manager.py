@@ -63,6 +63,8 @@ class AdapterStats:
     loads: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
     evictions: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
     load_seconds: list[float] = field(default_factory=list)
+    # loads that failed, by whether a retry may help (transient: the source or the disk) or not (the adapter)
+    load_failures: dict[str, int] = field(default_factory=lambda: {"transient": 0, "permanent": 0})
 
 
 class AdapterManager:
@@ -197,6 +199,8 @@ class AdapterManager:
                 if not error:
                     rec.loads += 1
                     self.stats.load_seconds.append(rec.load_seconds)
+                else:
+                    self.stats.load_failures["transient" if transient else "permanent"] += 1
             self.completions.put((adapter_id, error))
             self._completed.set()
 

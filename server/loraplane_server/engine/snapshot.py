@@ -33,6 +33,7 @@ class EngineSnapshot:
     misses: dict[str, int] = field(default_factory=dict)
     loads: dict[str, int] = field(default_factory=dict)
     evictions: dict[str, int] = field(default_factory=dict)
+    load_failures: dict[str, int] = field(default_factory=dict)  # by kind: transient, permanent
     load_seconds: list[float] = field(default_factory=list)  # loads finished since the caller's last look
     num_loads_seen: int = 0  # for the next call's loads_seen
     num_adapters: int = 0
@@ -71,6 +72,7 @@ def take_snapshot(
         misses=dict(stats.misses),
         loads=dict(stats.loads),
         evictions=dict(stats.evictions),
+        load_failures=dict(stats.load_failures),
         load_seconds=list(stats.load_seconds[loads_seen:]),
         num_loads_seen=len(stats.load_seconds),
         num_adapters=len(rows),

@@ -99,6 +99,8 @@ class Metrics:
         self.rejected = Counter(
             "loraplane_requests_rejected", "Generation requests refused before the engine", ["reason"], registry=r
         )
+        for reason in REJECT_REASONS:  # every series from the start, at 0: a rate() alert sees the first one
+            self.rejected.labels(reason)
         self.adapter_load = Histogram(
             "loraplane_adapter_load_seconds", "Adapter loads into host memory", buckets=LOAD_BUCKETS, registry=r
         )
@@ -139,6 +141,9 @@ class Metrics:
         return generate_latest(self.registry)
 
 
+REJECT_REASONS = ("loading", "draining", "failed", "queue_full")  # serving/http/state.py's Rejected reasons
+
+
 class EngineCollector(Collector):
     """Gauges and counters read from the latest EngineSnapshot, and per-adapter usage."""
 
@@ -168,6 +173,15 @@ class EngineCollector(Collector):
             for tier, n in sorted(values.items()):
                 family.add_metric([tier], n)
             yield family
+        failures = CounterMetricFamily(
+            "loraplane_adapter_load_failures",
+            "Adapter loads that failed, by kind (transient: the source or the disk, a retry may help; permanent: "
+            "the adapter itself)",
+            labels=["kind"],
+        )
+        for kind, n in sorted(s.load_failures.items()):
+            failures.add_metric([kind], n)
+        yield failures
         yield from self._usage()
         yield from _vllm(s)
 
