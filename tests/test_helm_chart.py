@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -43,6 +44,8 @@ ALL_ON = {
         "serviceMonitor": {"enabled": True, "labels": {"release": "prom"}},
         "podMonitor": {"enabled": True},
         "prometheusAdapterRule": {"enabled": True},
+        "dashboard": {"enabled": True},
+        "alerts": {"enabled": True, "labels": {"release": "prom"}, "kvCacheRatio": 0.9},
     },
 }
 
@@ -177,7 +180,7 @@ def test_render_everything_enabled(helm, tmp_path):
     sm = _one(docs, "ServiceMonitor")
     assert sm["apiVersion"] == "monitoring.coreos.com/v1" and sm["metadata"]["labels"]["release"] == "prom"
     assert _one(docs, "PodMonitor", "-servers")["apiVersion"] == "monitoring.coreos.com/v1"
-    cm = _one(docs, "ConfigMap")
+    cm = _one(docs, "ConfigMap", "-prometheus-adapter-rule")
     rules = yaml.safe_load(cm["data"]["config.yaml"])["rules"]
     assert "loraplane_queue_depth" in rules[0]["seriesQuery"]
     from loraplane_operator import constants as c  # the rule serves the metric the operator's HPA names for vLLM
@@ -343,6 +346,59 @@ def test_monitors_select_the_operators_server_labels(helm: str, tmp_path: Path) 
     (ctr,) = operator["spec"]["containers"]
     port = next(p for p in ctr["ports"] if p["name"] == monitor["spec"]["podMetricsEndpoints"][0]["port"])
     assert ctr["args"][ctr["args"].index("--metrics-port") + 1] == str(port["containerPort"]) == "8081"
+    # the routers the operator runs (held requests wake a pool at zero): their labels, their named port
+    from loraplane_operator import router_builders
+
+    routers = _one(docs, "PodMonitor", "-routers")["spec"]
+    router_pod = router_builders.get_router_deployment({"metadata": {"name": "s", "namespace": "ml"}, "spec": {}})
+    template = router_pod["spec"]["template"]
+    assert routers["selector"]["matchLabels"].items() <= template["metadata"]["labels"].items()
+    assert not routers["selector"]["matchLabels"].items() <= labels.items()  # and never the servers' pods
+    (router_ctr,) = template["spec"]["containers"]
+    assert routers["podMetricsEndpoints"][0]["port"] in {p["name"] for p in router_ctr["ports"]}
+
+
+def test_dashboard_and_alerts_render_off_by_default_and_name_real_metrics(helm: str, tmp_path: Path) -> None:
+    """The dashboard (a ConfigMap for Grafana's sidecar) and the PrometheusRule: off by default; on, every panel
+    and alert names metrics the servers, routers and operator export (the e2e evaluates them in Prometheus)."""
+    docs = _render(helm, "-f", _values_file(tmp_path, ALL_ON))
+    cm = _one(docs, "ConfigMap", "-dashboard")
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    dashboard = json.loads(cm["data"]["loraplane.json"])
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    assert len(exprs) >= 25 and {v["name"] for v in dashboard["templating"]["list"]} == {"datasource", "namespace"}
+    rule = _one(docs, "PrometheusRule")
+    assert rule["metadata"]["labels"]["release"] == "prom"
+    rules = {r["alert"]: r for r in rule["spec"]["groups"][0]["rules"]}
+    assert set(rules) == {
+        "LoraplaneAdapterFailed",
+        "LoraplaneAdapterLoadErrors",
+        "LoraplaneQueueGrowing",
+        "LoraplaneKVCacheFull",
+        "LoraplaneNoReadyServerPod",
+        "LoraplaneOperatorReconcileErrors",
+    }
+    assert "> 0.9" in rules["LoraplaneKVCacheFull"]["expr"]  # the values reach the expressions
+    assert "{{ $labels.exported_namespace }}" in rules["LoraplaneAdapterFailed"]["annotations"]["description"]
+    sources = _metric_sources()
+    exported = {m.removesuffix("_total") for m in re.findall(r'"(loraplane_[a-z_]+)"', sources)}
+    assert 'f"loraplane_adapter_{name}"' in sources  # the adapter cache's counters, one family per name:
+    exported |= {f"loraplane_adapter_{n}" for n in ("hits", "misses", "loads", "evictions")}
+    named = {
+        m for text in [*exprs, *(r["expr"] for r in rules.values())] for m in re.findall(r"loraplane_[a-z_]+", text)
+    }
+    unknown = {m for m in named if m.removesuffix("_total").removesuffix("_bucket") not in exported}
+    assert not unknown, f"panels or alerts name metrics nothing exports: {unknown}"
+    for kind in ("PrometheusRule",):
+        assert kind not in {d["kind"] for d in _render(helm)}
+    assert not [d for d in _render(helm) if d["kind"] == "ConfigMap"]
+
+
+def _metric_sources() -> str:
+    """The source of every metric name the server, router and operator export."""
+    files = ["server/loraplane_server/serving/http/metrics.py", "server/loraplane_server/serving/router/metrics.py"]
+    files += ["operator/loraplane_operator/metrics.py"]
+    return "\n".join((ROOT / f).read_text() for f in files)
 
 
 def test_server_args_env_and_operator_liveness_address(helm: str, tmp_path: Path) -> None:
