@@ -25,11 +25,17 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "e2e: needs the local Kubernetes control plane (e2e/)")
 
 
-LAST_MODULES = ("test_rbac_audit",)  # reads the audit log of everything before it
+# run last, in this order: the autoscaling tests (their Prometheus and KEDA may still be building in the background
+# on a fresh machine), then the audit (it reads the audit log of everything before it)
+LAST_MODULES = ("test_autoscaling", "test_rbac_audit")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    items.sort(key=lambda item: Path(str(item.fspath)).stem in LAST_MODULES)  # stable: the rest keep their order
+    def rank(item: pytest.Item) -> int:
+        stem = Path(str(item.fspath)).stem
+        return LAST_MODULES.index(stem) + 1 if stem in LAST_MODULES else 0
+
+    items.sort(key=rank)  # stable: the rest keep their order
 
 
 def _bin_dir() -> Path:

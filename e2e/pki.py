@@ -44,6 +44,13 @@ class Pki:
         sans += [x509.IPAddress(ipaddress.ip_address(ip)) for ip in ips]
         return self._issue(name, name, [], [ExtendedKeyUsageOID.SERVER_AUTH], sans)
 
+    def peer_cert(self, name: str, dns_names: list[str], ips: list[str]) -> tuple[Path, Path]:
+        """A cert for both ends of a mutual-TLS link (server and client auth), as KEDA's operator and metrics
+        server share one for their gRPC link."""
+        sans: list[x509.GeneralName] = [x509.DNSName(d) for d in dns_names]
+        sans += [x509.IPAddress(ipaddress.ip_address(ip)) for ip in ips]
+        return self._issue(name, name, [], [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH], sans)
+
     def client_cert(self, name: str, user: str, groups: list[str]) -> tuple[Path, Path]:
         """A client cert: CN is the Kubernetes user name, each O one of its groups."""
         return self._issue(name, user, groups, [ExtendedKeyUsageOID.CLIENT_AUTH], [])
