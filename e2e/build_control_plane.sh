@@ -26,20 +26,15 @@ BINARIES=(etcd kube-apiserver kube-controller-manager)
 export GOFLAGS=-mod=mod
 export CGO_ENABLED=0
 
+# shellcheck source=e2e/build_common.sh
+source "$(dirname "$0")/build_common.sh"
+
 log() { printf '[build_control_plane %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
 
 is_complete() {
     [[ -f "$MARKER" ]] || return 1
     local b
     for b in "${BINARIES[@]}"; do [[ -x "$BIN/$b" ]] || return 1; done
-}
-
-# Print a line every 50 compiled packages of the total ("go build -v" names each one).
-progress() {
-    local label="$1" total="$2"
-    awk -v label="$label" -v total="$total" '
-        { n++; if (n % 50 == 0) { printf "  %s: %d/%d packages (%s)\n", label, n, total, $0; fflush() } }
-        END { printf "  %s: %d packages compiled\n", label, n }'
 }
 
 # k8s.io/kubernetes points each staging module at ./staging/src/k8s.io/<name>; as a dependency
@@ -125,11 +120,7 @@ main() {
     fi
     command -v go >/dev/null || { log "Go is not available"; exit 1; }
     mkdir -p "$DIR"
-    exec 9>"$DIR/build.lock"
-    if ! flock -n 9; then
-        log "another build holds $DIR/build.lock; waiting for it"
-        flock 9
-    fi
+    take_build_lock "$DIR"
     if is_complete; then
         log "cached: $BIN ($(cat "$MARKER"))"
         return

@@ -35,15 +35,10 @@ KEDA_DIR="$DIR/keda-$KEDA_VERSION"
 export GOFLAGS=-mod=mod
 export CGO_ENABLED=0
 
-log() { printf '[build_monitoring %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
+# shellcheck source=e2e/build_common.sh
+source "$(dirname "$0")/build_common.sh"
 
-# A line every 100 compiled packages of the total ("go build -v" names each one).
-progress() {
-    local label="$1" total="$2"
-    awk -v label="$label" -v total="$total" '
-        { n++; if (n % 100 == 0) { printf "  %s: %d/%d packages (%s)\n", label, n, total, $0; fflush() } }
-        END { printf "  %s: %d packages compiled\n", label, n }'
-}
+log() { printf '[build_monitoring %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
 
 build_prometheus() {
     [[ -f "$PROM_DIR/.complete" && -x "$PROM_DIR/prometheus" ]] && { log "cached: $PROM_DIR"; return; }
@@ -63,7 +58,7 @@ build_prometheus() {
     log "building Prometheus $version ($total packages)"
     (cd "$src" && go build -v -p "$JOBS" -trimpath -tags "$tags" -o "$PROM_DIR/prometheus.tmp" \
         -ldflags="-s -w -X $pkg.Version=$version -X $pkg.Branch=$PROMETHEUS_VERSION -X $pkg.BuildUser=loraplane-e2e" \
-        github.com/prometheus/prometheus/cmd/prometheus 2>&1) | progress prometheus "$total"
+        github.com/prometheus/prometheus/cmd/prometheus 2>&1) | progress prometheus "$total" 100
     [[ -x "$PROM_DIR/prometheus.tmp" ]] || { log "Prometheus build failed"; exit 1; }
     mv "$PROM_DIR/prometheus.tmp" "$PROM_DIR/prometheus"
     printf 'prometheus %s (%s) built in %ss\n' "$version" "$PROMETHEUS_VERSION" "$((SECONDS - start))" >"$PROM_DIR/.complete"
@@ -91,7 +86,7 @@ build_keda() {
     log "building KEDA $KEDA_VERSION: operator and metrics API server ($total packages)"
     (cd "$src" && go build -v -p "$JOBS" -trimpath -ldflags="$ldflags" -o "$KEDA_DIR/keda.tmp" ./cmd/operator 2>&1 &&
         go build -v -p "$JOBS" -trimpath -ldflags="$ldflags" -o "$KEDA_DIR/keda-adapter.tmp" ./cmd/adapter 2>&1) |
-        progress keda "$total"
+        progress keda "$total" 100
     [[ -x "$KEDA_DIR/keda.tmp" && -x "$KEDA_DIR/keda-adapter.tmp" ]] || { log "KEDA build failed"; exit 1; }
     mv "$KEDA_DIR/keda.tmp" "$KEDA_DIR/keda"
     mv "$KEDA_DIR/keda-adapter.tmp" "$KEDA_DIR/keda-adapter"
@@ -123,11 +118,7 @@ main() {
     fi
     command -v go >/dev/null || { log "Go is not available"; exit 1; }
     mkdir -p "$DIR"
-    exec 9>"$DIR/build.lock"
-    if ! flock -n 9; then
-        log "another build holds $DIR/build.lock; waiting for it"
-        flock 9
-    fi
+    take_build_lock "$DIR"
     log "$(go version); cache $DIR; -p $JOBS"
     build_prometheus
     build_keda
