@@ -7,7 +7,9 @@ They run as local processes, like the control plane, under their own RBAC where 
 Prometheus with a ServiceAccount bound to the ClusterRole its own Helm chart grants (get/list/watch pods,
 services, endpoints, nodes); KEDA with the admin kubeconfig (its chart's RBAC is a wide ClusterRole anyway).
 
-prometheus-operator is not run: `podmonitor_scrape_configs` turns each PodMonitor into the scrape job that
+prometheus-operator's CRDs are applied (its module's, through the Go module proxy), so the chart's PodMonitors and
+PrometheusRule are created and validated as in a user's cluster, but the operator itself is not run:
+`podmonitor_scrape_configs` turns each PodMonitor into the scrape job that
 prometheus-operator generates for it (pod role, the selector's labels kept, the named port kept, the
 namespace, pod and container labels), so a PodMonitor that selects nothing or names a wrong port shows as
 no series.
@@ -16,6 +18,7 @@ no series.
 from __future__ import annotations
 
 import base64
+import json
 import os
 import re
 import subprocess
@@ -36,6 +39,10 @@ from e2e.process import spawn, stop
 BUILD_SCRIPT = Path(__file__).with_name("build_monitoring.sh")
 PROMETHEUS_VERSION = "v0.316.0"  # the Go module's version: Prometheus 3.16.0
 KEDA_VERSION = "v2.21.0"
+# prometheus-operator's CRDs (PodMonitor, ServiceMonitor, PrometheusRule), applied so that the chart's objects are
+# created as in a user's cluster and validated against the real schemas; the operator itself is not run
+PROMETHEUS_OPERATOR = ("github.com/prometheus-operator/prometheus-operator", "v0.85.0")
+PROMETHEUS_OPERATOR_CRDS = ("podmonitors", "servicemonitors", "prometheusrules")
 KEDA_NAMESPACE = "keda"
 KEDA_METRICS_SERVICE = "keda-metrics-apiserver"
 EXTERNAL_METRICS = ("external.metrics.k8s.io", "v1beta1")
@@ -69,6 +76,20 @@ def build() -> Binaries:
     found = built()
     assert found is not None, "e2e/build_monitoring.sh finished without its binaries"
     return found
+
+
+def apply_prometheus_operator_crds(kubectl: Kubectl) -> None:
+    """PodMonitor, ServiceMonitor and PrometheusRule from prometheus-operator's module (the Go module cache;
+    downloaded once), Established."""
+    module, version = PROMETHEUS_OPERATOR
+    argv = ["go", "mod", "download", "-json", f"{module}@{version}"]
+    result = subprocess.run(argv, env={**os.environ, "GOFLAGS": ""}, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, f"{' '.join(argv)}: {result.stdout[-500:]} {result.stderr[-500:]}"
+    directory = Path(json.loads(result.stdout)["Dir"]) / "example" / "prometheus-operator-crd"
+    for plural in PROMETHEUS_OPERATOR_CRDS:
+        kubectl("apply", "--server-side", "-f", str(directory / f"monitoring.coreos.com_{plural}.yaml"))
+    for plural in PROMETHEUS_OPERATOR_CRDS:
+        kubectl("wait", "--for=condition=Established", f"crd/{plural}.monitoring.coreos.com", "--timeout=60s")
 
 
 # Prometheus

@@ -39,10 +39,9 @@ GROUP = "loraplane.dev"
 class OperatorProcess:
     """`run_operator()` in a child process with KUBECONFIG pointing to a ServiceAccount's kubeconfig."""
 
-    def __init__(self, kubeconfig: Path, log_path: Path, metrics_port: int | None = None) -> None:
+    def __init__(self, kubeconfig: Path, log_path: Path) -> None:
         self.kubeconfig = kubeconfig
         self.log_path = log_path
-        self.metrics_port = metrics_port  # /metrics on 127.0.0.1 (a Prometheus static target)
         self.process: subprocess.Popen[bytes] | None = None
         self.starts = 0
 
@@ -50,10 +49,7 @@ class OperatorProcess:
         assert self.process is None or self.process.poll() is not None, "the operator is running"
         env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_")}
         env.update(KUBECONFIG=str(self.kubeconfig), PYTHONUNBUFFERED="1")
-        code = "from loraplane_operator.main import run_operator; run_operator("
-        if self.metrics_port is not None:
-            code += f"metrics_port={self.metrics_port}, metrics_address='127.0.0.1'"
-        code += ")"
+        code = "from loraplane_operator.main import run_operator; run_operator()"
         self.starts += 1
         with open(self.log_path, "a") as log:
             log.write(f"\n===== operator start #{self.starts} =====\n")

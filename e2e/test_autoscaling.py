@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -25,17 +26,14 @@ import requests
 import yaml
 
 from e2e import monitoring
-from e2e.cluster import REPO_ROOT, LocalCluster, free_port
-from e2e.helm import Helm
+from e2e.cluster import REPO_ROOT, LocalCluster
+from e2e.helm import Helm, HelmError
 from e2e.kubectl import Kubectl, KubectlError, wait_until
 from e2e.monitoring import Binaries, Keda, Prometheus
 from e2e.operator_fixtures import (
     SERVER_LABEL,
-    OperatorProcess,
     adapter_manifest,
     diagnostics,
-    install_crds,
-    install_operator_rbac,
     is_ready,
     local_server_sample,
     pod_url,
@@ -102,19 +100,38 @@ def keda(
         yield running
 
 
+CHART = REPO_ROOT / "helm" / "loraplane"
+RELEASE = "lp"
+OPERATOR_USER = f"system:serviceaccount:{NAMESPACE}:{RELEASE}-loraplane"  # the chart's operator (the RBAC audit)
+UNINSTALLS: list[datetime] = []  # when this module's `helm uninstall` began (its operator's 403s after are not RBAC's)
+CHART_VALUES: dict[str, Any] = {
+    # the chart's operator as a pod on the process kubelet, watching this namespace; liveness and metrics bound to
+    # its own pod address (the pods share this machine's network)
+    "operator": {
+        "watchNamespace": NAMESPACE,
+        "livenessBindAddress": "$(POD_IP)",
+        "replicas": 1,
+        "leaderElection": {"enabled": False},
+    },
+    "monitoring": {
+        "podMonitor": {"enabled": True, "interval": SCRAPE},
+        "dashboard": {"enabled": True},
+        "alerts": {"enabled": True, "adapterFailedFor": "0s"},
+    },
+}
+
+
 @pytest.fixture(scope="module")
-def chart(helm: Helm, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    """The chart rendered with monitoring on (scrapes every 2 s) into the test's namespace."""
-    values = {
-        "monitoring": {
-            "podMonitor": {"enabled": True, "interval": SCRAPE},
-            "dashboard": {"enabled": True},
-            "alerts": {"enabled": True, "adapterFailedFor": "0s"},
-        }
-    }
+def chart_values_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = Path(tmp_path_factory.mktemp("chart")) / "values.yaml"
-    path.write_text(yaml.safe_dump(values))
-    rendered = helm("template", "lp", str(REPO_ROOT / "helm" / "loraplane"), "-n", NAMESPACE, "-f", str(path))
+    path.write_text(yaml.safe_dump(CHART_VALUES))
+    return path
+
+
+@pytest.fixture(scope="module")
+def chart(helm: Helm, chart_values_file: Path) -> list[dict[str, Any]]:
+    """The chart rendered with monitoring on (scrapes every 2 s) into the test's namespace."""
+    rendered = helm("template", RELEASE, str(CHART), "-n", NAMESPACE, "-f", str(chart_values_file))
     return [d for d in yaml.safe_load_all(rendered) if isinstance(d, dict)]
 
 
@@ -122,7 +139,7 @@ def chart(helm: Helm, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str
 class Env:
     kubectl: Kubectl
     cluster: LocalCluster
-    operator: OperatorProcess
+    helm: Helm
     prometheus: Prometheus
     keda: Keda
     chart: list[dict[str, Any]]
@@ -135,29 +152,26 @@ class Env:
 def env(
     kubectl: Kubectl,
     cluster: LocalCluster,
+    helm: Helm,
     prometheus: Prometheus,
     keda: Keda,
     chart: list[dict[str, Any]],
+    chart_values_file: Path,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Env]:
-    install_crds(kubectl)
-    kubeconfig = install_operator_rbac(kubectl, cluster)
     work = Path(tmp_path_factory.mktemp("autoscaling"))
-    operator_metrics = free_port()
-    operator = OperatorProcess(kubeconfig, work / "operator.log", metrics_port=operator_metrics)
-    kubectl("create", "namespace", NAMESPACE)
-    # what Prometheus scrapes: the chart's PodMonitors as prometheus-operator turns them into jobs; the operator
-    # runs as a local process here (not a pod), so its PodMonitor's job finds nothing and it is a static target
+    # what Prometheus scrapes: the chart's PodMonitors (servers, routers, the operator's pod), as prometheus-operator
+    # turns them into scrape jobs; the chart's rules
     monitors = [d for d in chart if d["kind"] == "PodMonitor"]
-    jobs = monitoring.podmonitor_scrape_configs(monitors, prometheus.kubeconfig)
-    static = {"targets": [f"127.0.0.1:{operator_metrics}"], "labels": {"namespace": "loraplane-system"}}
-    jobs.append({"job_name": "operator-process", "scrape_interval": SCRAPE, "static_configs": [static]})
     (rule,) = [d for d in chart if d["kind"] == "PrometheusRule"]
-    prometheus.configure(jobs=jobs, rule_groups=rule["spec"]["groups"])
-    operator.start()
-    environment = Env(kubectl, cluster, operator, prometheus, keda, chart)
+    prometheus.configure(
+        jobs=monitoring.podmonitor_scrape_configs(monitors, prometheus.kubeconfig), rule_groups=rule["spec"]["groups"]
+    )
+    environment = Env(kubectl, cluster, helm, prometheus, keda, chart)
+    monitoring.apply_prometheus_operator_crds(kubectl)  # as kube-prometheus-stack would have
     try:
-        operator.wait_started()
+        helm("install", RELEASE, str(CHART), "-n", NAMESPACE, "--create-namespace", "-f", str(chart_values_file))
+        kubectl("rollout", "status", f"deployment/{RELEASE}-loraplane-operator", "-n", NAMESPACE, "--timeout=120s")
         adapters = snapshot_adapters(work / "adapters")
         kubectl.apply(server_manifest(adapters, prometheus.url), NAMESPACE)
         # two adapters prewarmed into the server (loads, hits, residency for the dashboard), and one whose source
@@ -167,12 +181,20 @@ def env(
         kubectl.apply(adapter_manifest("refused", SERVER, "/not/allowed/adapter"), NAMESPACE)
         yield environment
     finally:
+        for kind in ("lora", "bms"):  # while the operator runs: it unloads them and drops its finalizers
+            try:
+                kubectl("delete", kind, "--all", "-n", NAMESPACE, "--wait=true", "--timeout=60s")
+            except KubectlError:
+                pass
+        UNINSTALLS.append(datetime.now(UTC))
         try:
-            kubectl("delete", "bms", SERVER, "-n", NAMESPACE, "--wait=true", "--timeout=60s")
+            helm("uninstall", RELEASE, "-n", NAMESPACE, "--wait", "--timeout", "2m")
+        except HelmError:
+            pass
+        try:
+            kubectl("delete", "namespace", NAMESPACE, "--wait=false")
         except KubectlError:
             pass
-        operator.stop()
-        kubectl("delete", "namespace", NAMESPACE, "--wait=false")
 
 
 @pytest.fixture(autouse=True)
@@ -181,7 +203,7 @@ def dump_on_failure(request: pytest.FixtureRequest, kubectl: Kubectl, cluster: L
     yield
     if request.session.testsfailed > failed_before:
         env: Env | None = request.node.funcargs.get("env")
-        text = diagnostics(kubectl, cluster, env.operator if env else None, NAMESPACE)
+        text = diagnostics(kubectl, cluster, None, NAMESPACE)
         for args in (("hpa",), ("scaledobject",)):
             text += f"\n--- {args[0]} ---\n{_safe(kubectl, 'get', *args, '-n', NAMESPACE, '-o', 'yaml')}"
         text += f"\n--- kube-controller-manager ---\n{cluster.log_tail('kube-controller-manager', 30)}"
@@ -333,8 +355,9 @@ def test_a_prometheus_scrapes_the_pods_the_chart_monitors(env: Env) -> None:
                 up.setdefault(target["labels"]["job"], set()).add(target["labels"].get("pod", ""))
         servers = up.get(f"podMonitor/{NAMESPACE}/lp-loraplane-servers/0", set())
         routers = up.get(f"podMonitor/{NAMESPACE}/lp-loraplane-routers/0", set())
+        operators = up.get(f"podMonitor/{NAMESPACE}/lp-loraplane-operator/0", set())
         found = first["metadata"]["name"] in servers and router["metadata"]["name"] in routers
-        return up if found and "operator-process" in up else None
+        return up if found and [p for p in operators if p.startswith("lp-loraplane-operator-")] else None
 
     up = wait_until(targets_up, timeout=60, what="Prometheus scraping the server, router and operator", interval=1)
     # the server PodMonitor selects server pods only (not the router's), the router one routers only

@@ -23,6 +23,8 @@ import pytest
 
 from e2e.cluster import LocalCluster
 from e2e.operator_fixtures import OPERATOR_ACCOUNT, OPERATOR_NAMESPACE
+from e2e.test_autoscaling import OPERATOR_USER as AUTOSCALING_USER
+from e2e.test_autoscaling import UNINSTALLS as AUTOSCALING_UNINSTALLS
 from e2e.test_helm import FULLNAME as HELM_ACCOUNT
 from e2e.test_helm import NAMESPACE as HELM_NAMESPACE
 from e2e.test_helm import UNINSTALLS
@@ -33,6 +35,7 @@ pytestmark = pytest.mark.e2e
 OPERATOR_USERS = {
     f"system:serviceaccount:{OPERATOR_NAMESPACE}:{OPERATOR_ACCOUNT}",
     f"system:serviceaccount:{HELM_NAMESPACE}:{HELM_ACCOUNT}",
+    AUTOSCALING_USER,  # the chart's operator that test_autoscaling installs (KEDA's ScaledObjects are its)
 }
 # the modules that run an operator: without all of them the log says too little about what it uses
 OPERATOR_MODULES = {"test_operator", "test_operator_residency", "test_helm", "test_router", "test_autoscaling"}
@@ -80,11 +83,13 @@ HELM_USER = f"system:serviceaccount:{HELM_NAMESPACE}:{HELM_ACCOUNT}"
 def forbidden(event: dict[str, Any]) -> bool:
     """Refused by RBAC while the account held its rules: the authorizer's decision, not a 403 of admission (a
     namespace being deleted refuses every create in it with a 403 that no rule could grant), and not a chart
-    operator's after `helm uninstall` began (its pods stop after helm deleted their RoleBinding)."""
+    operator's after its `helm uninstall` began (its pods stop after helm deleted their RoleBinding): test_helm's
+    release and test_autoscaling's."""
     if (event.get("annotations") or {}).get("authorization.k8s.io/decision") != "forbid":
         return False
-    if event["user"]["username"] == HELM_USER and UNINSTALLS:
-        return datetime.fromisoformat(event["requestReceivedTimestamp"]) < UNINSTALLS[0]
+    uninstalls = {HELM_USER: UNINSTALLS, AUTOSCALING_USER: AUTOSCALING_UNINSTALLS}.get(event["user"]["username"])
+    if uninstalls:
+        return datetime.fromisoformat(event["requestReceivedTimestamp"]) < uninstalls[0]
     return True
 
 
