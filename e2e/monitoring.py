@@ -386,11 +386,6 @@ def keda_running(binaries: Binaries, cluster: LocalCluster, kubectl: Kubectl, di
         keda.stop(kubectl)
 
 
-def chart_objects(rendered: str, kind: str) -> list[dict[str, Any]]:
-    """The objects of one kind in `helm template` output."""
-    return [d for d in yaml.safe_load_all(rendered) if isinstance(d, dict) and d.get("kind") == kind]
-
-
 def dashboard_queries(dashboard: dict[str, Any]) -> list[tuple[str, str]]:
     """(panel title, PromQL expression) of every target of a Grafana dashboard's panels (rows' panels too)."""
     out = []

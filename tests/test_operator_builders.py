@@ -276,6 +276,9 @@ def test_a_scaled_object_at_zero_wakes_on_held_requests_and_stays_up_while_any_r
     assert triggers["running"]["query"] == 'sum(loraplane_requests_running{namespace="ml",pod=~"smollm2-.*"})'
     assert triggers["running"]["threshold"] == "16"  # a pod's worth of running requests: never more pods than needed
     assert {t["activationThreshold"] for t in triggers.values()} == {"0"}
+    from loraplane_server.config import EngineConfig  # the operator's copy of the server's default (no torch there)
+
+    assert c.DEFAULT_MAX_NUM_SEQS == EngineConfig.__dataclass_fields__["max_num_seqs"].default
     assert {t["serverAddress"] for t in triggers.values()} == {"http://p:9090"}
     vllm = bms(autoscaling=auto, engine={"kind": "vllm"}, router={"enabled": True})
     running = builders.get_scaled_object(vllm)["spec"]["triggers"][2]["metadata"]

@@ -528,19 +528,23 @@ def hpa_metric(spec: Mapping[str, Any]) -> str:
     return c.VLLM_HPA_METRIC if is_vllm(spec) else c.QUEUE_DEPTH_METRIC
 
 
+def _pod_sum(metric: str, namespace: str, pods: str) -> str:
+    """A gauge summed over the pods whose names match `pods` in the namespace."""
+    return f'sum({metric}{{namespace="{namespace}",pod=~"{pods}"}})'
+
+
 def queue_depth_query(namespace: str, name: str, spec: Mapping[str, Any] | None = None) -> str:
-    return f'sum({queue_metric(spec or {})}{{namespace="{namespace}",pod=~"{name}-.*"}})'
+    return _pod_sum(queue_metric(spec or {}), namespace, f"{name}-.*")
 
 
 def running_query(namespace: str, name: str, spec: Mapping[str, Any]) -> str:
     """Requests the server pods are generating (none waiting is not idle: a pool at zero must not drop them)."""
-    metric = c.VLLM_RUNNING_METRIC if is_vllm(spec) else c.RUNNING_METRIC
-    return f'sum({metric}{{namespace="{namespace}",pod=~"{name}-.*"}})'
+    return _pod_sum(c.VLLM_RUNNING_METRIC if is_vllm(spec) else c.RUNNING_METRIC, namespace, f"{name}-.*")
 
 
 def held_query(namespace: str, name: str) -> str:
     """Requests the server's router pods hold while no server pod is Ready: what wakes a pool at zero."""
-    return f'sum({c.ROUTER_HELD_METRIC}{{namespace="{namespace}",pod=~"{name}-router-.*"}})'
+    return _pod_sum(c.ROUTER_HELD_METRIC, namespace, f"{name}-router-.*")
 
 
 def _prometheus_trigger(name: str, address: str, query: str, threshold: int) -> dict[str, Any]:
