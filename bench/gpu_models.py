@@ -1,6 +1,6 @@
-"""What bench/gpu.py builds on a machine with no network, and what it compares against: random-weight
-Llama-family checkpoints of real shapes (config.json + safetensors shards, the real tokenizer files beside them),
-random PEFT LoRA adapters, and the transformers + PEFT reference that loads them.
+"""What bench/gpu.py and bench/peers.py --shape build on a machine with no network, and what they compare
+against: random-weight Llama-family checkpoints of real shapes (config.json + safetensors shards, the real
+tokenizer files beside them), random PEFT LoRA adapters, and the transformers + PEFT reference that loads them.
 
 The shapes' numbers are the published config.json values of each model (named in `source`); the weights are
 N(0, std) (0.02, transformers' init, unless the caller asks otherwise) with norms at 1, built on the bench's
@@ -73,14 +73,19 @@ class Shape:
     max_position_embeddings: int
     tie_word_embeddings: bool
     rms_norm_eps: float = 1e-5
+    model_type: str = "llama"  # qwen2: q, k and v carry a bias, as Qwen2's checkpoints do
+
+    @property
+    def qkv_bias(self) -> bool:
+        return self.model_type == "qwen2"
 
     def config(self) -> dict:
         """config.json: the real values, max_position_embeddings capped at MAX_POSITIONS (llama3 rope's
         frequencies depend on original_max_position_embeddings, not on it), no special token ids (the
         benches ignore eos; the tokenizer is another model's)."""
         cfg: dict = {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
+            "architectures": [ARCHITECTURES[self.model_type]],
+            "model_type": self.model_type,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
             "num_hidden_layers": self.num_layers,
@@ -93,7 +98,7 @@ class Shape:
             "rope_theta": self.rope_theta,
             "tie_word_embeddings": self.tie_word_embeddings,
             "hidden_act": "silu",
-            "attention_bias": False,
+            "attention_bias": self.qkv_bias,
             "mlp_bias": False,
             "initializer_range": INIT_STD,
             "bos_token_id": None,
@@ -102,6 +107,8 @@ class Shape:
         }
         if self.rope_scaling is not None:
             cfg["rope_scaling"] = dict(self.rope_scaling)
+        if self.model_type == "qwen2":  # Qwen2.5's: no sliding window (its config names one but turns it off)
+            cfg["use_sliding_window"] = False
         return cfg
 
     def linear_dims(self) -> dict[str, tuple[int, int]]:
@@ -112,7 +119,10 @@ class Shape:
         }
 
     def num_params(self) -> int:
-        per_layer = sum(i * o for i, o in self.linear_dims().values()) + 2 * self.hidden_size
+        dims = self.linear_dims()
+        per_layer = sum(i * o for i, o in dims.values()) + 2 * self.hidden_size
+        if self.qkv_bias:
+            per_layer += sum(dims[name][1] for name in ("q_proj", "k_proj", "v_proj"))
         head = 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
         return self.num_layers * per_layer + self.vocab_size * self.hidden_size + head + self.hidden_size
 
@@ -132,7 +142,17 @@ LLAMA_31_8B = Shape(
     "llama-3.1-8b", "meta-llama/Llama-3.1-8B config.json", 4096, 14336, 32, 32, 8, 128, 128256, 500000.0,
     LLAMA3_ROPE_8B, 131072, False,
 )  # fmt: skip
-REAL_SHAPES = {s.name: s for s in (SMOLLM2_135M, LLAMA_32_1B, LLAMA_31_8B)}
+# the CPU record's sizes (issue 42, bench/peers.py --shape)
+SMOLLM2_17B = Shape(
+    "smollm2-1.7b", "HuggingFaceTB/SmolLM2-1.7B config.json", 2048, 8192, 24, 32, 32, 64, 49152, 130000.0, None,
+    8192, True,
+)  # fmt: skip
+QWEN25_3B = Shape(
+    "qwen2.5-3b", "Qwen/Qwen2.5-3B config.json", 2048, 11008, 36, 16, 2, 128, 151936, 1000000.0, None, 32768, True,
+    rms_norm_eps=1e-6, model_type="qwen2",
+)  # fmt: skip
+REAL_SHAPES = {s.name: s for s in (SMOLLM2_135M, LLAMA_32_1B, LLAMA_31_8B, SMOLLM2_17B, QWEN25_3B)}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
 
 def quick_shapes() -> dict[str, Shape]:
@@ -175,6 +195,9 @@ def layer_tensors(
         part = "self_attn" if name in ATTENTION else "mlp"
         weight = torch.empty(n_out, n_in, dtype=dtype, device=device).normal_(0.0, std, generator=gen)
         out[f"{prefix}{part}.{name}.weight"] = weight  # [out, in]
+        if shape.qkv_bias and name in ("q_proj", "k_proj", "v_proj"):
+            bias = torch.empty(n_out, dtype=dtype, device=device).normal_(0.0, std, generator=gen)
+            out[f"{prefix}{part}.{name}.bias"] = bias
     return out
 
 
@@ -338,11 +361,18 @@ def write_adapters(
 
 
 def write_adapter_family(
-    shape: Shape, root: Path, names: list[str], rank: int, device: torch.device, dtype: torch.dtype, bases: int = 4
+    shape: Shape,
+    root: Path,
+    names: list[str],
+    rank: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    bases: int = 4,
+    targets: tuple[str, ...] = ATTENTION,
 ) -> dict[str, Path]:
     """Many adapters fast: `bases` random tensor sets (seeded), adapter i = set i % bases with its B scaled by
     its own factor in [0.75, 1.25), so no two adapters are equal."""
-    spec = AdapterSpec("family", rank)
+    spec = AdapterSpec("family", rank, targets)
     gen = torch.Generator(device=device).manual_seed(7)
     sets = [adapter_tensors(shape, spec, gen, dtype) for _ in range(min(bases, len(names)))]
     paths = {}

@@ -27,8 +27,20 @@ Systems:
   chosen per request (`lora: [{id, scale: 1}]`) on /completion.
 A system that cannot be installed or started is reported with its error; the others still run.
 
-Targets (issue 23): ours/vLLM throughput >= 3, ours/llama.cpp >= 5; latency ours/vLLM <= 0.5 and
-ours/llama.cpp <= 1; ours adapters/base >= 0.9. The same run measures this machine's peak matmul rate and
+Shapes (issue 42): --shape llama-3.2-1b | smollm2-1.7b | qwen2.5-3b serves a random-weight model of that exact
+config.json (gpu_models.py: bf16 safetensors, the real vocabulary, the built-in model's tokenizer files beside it,
+so prompts use ids below 49,152) instead of the built-in; written once under the cache, and converted to GGUF by
+llama.cpp's own converter like the built-in. Its adapters are rank 16 on q, k, v and o (--targets all: on every
+linear), 4 random tensor sets with B scaled per adapter (gpu_models.write_adapter_family). --precision int8
+pairs our int8 weights (--quantization int8) with llama.cpp's Q8_0 (adapters in bf16 for both); vLLM has no
+weight-only int8 on the CPU to pair, so it runs only at bf16. --num-requests / --num-adapters shrink the
+workload (prompt and output lengths unchanged) where a 2-core machine cannot run 256 requests of a 3B model
+through three systems in one sitting; the JSON records the workload that ran.
+
+Targets: the built-in (issue 23): ours/vLLM throughput >= 3, ours/llama.cpp >= 5; latency ours/vLLM <= 0.5 and
+ours/llama.cpp <= 1; ours adapters/base >= 0.9. A --shape (issue 42): ours/vLLM >= 3, ours/llama.cpp >= 4 (same
+precision); latency ours/llama.cpp <= 1; adapters/base >= 0.85 (on every linear); ours >= 0.6 of the same-run
+compute ceiling on the adapters workload. The same run measures this machine's peak matmul rate and
 memory bandwidth (under the same ISA cap) and reports the ceilings they put on any engine (`ceiling`:
 the linear layers' FLOPs, and the weights read once per forward pass); a missed target says the best ratio
 that ceiling allows against the peer's measured number, and whether the target lies within it.
@@ -39,6 +51,7 @@ CPU has no AVX-512 (so it imports its _C_AVX2 kernels) and torch and oneDNN are 
 is a second build with GGML_NATIVE off and AVX-512 off (AVX, AVX2, FMA, F16C, BMI2 on).
 
 Run: PYTHONPATH=server:operator .venv/bin/python bench/peers.py [--quick] [--systems ours,vllm,llama.cpp]
+     [--shape llama-3.2-1b] [--precision bf16|int8] [--targets attention|all] [--num-requests N --num-adapters M]
      [--out bench/out/peers.json] [--rounds 2] [--cache-dir ~/.cache/loraplane-bench]
 The first run installs vLLM (a few GB) and builds llama-server (minutes); every install, build and server
 runs under `nice -n 19`. Prints one JSON object, writes it to --out and draws the plot next to it (.png).
@@ -77,6 +90,13 @@ SYSTEMS = ("ours", "vllm", "llama.cpp")
 TARGET_THROUGHPUT = {"vllm": 3.0, "llama.cpp": 5.0}  # ours / peer, useful tokens per second, at least
 TARGET_LATENCY = {"vllm": 0.5, "llama.cpp": 1.0}  # ours / peer, one request, at most
 TARGET_LORA_VS_BASE = 0.9  # ours with adapters / ours on the base model, at least
+# issue 42's, for a --shape: against the same precision; adapters on every linear; a fraction of the ceiling
+SHAPE_TARGET_THROUGHPUT = {"vllm": 3.0, "llama.cpp": 4.0}
+SHAPE_TARGET_LATENCY = {"llama.cpp": 1.0}
+SHAPE_TARGET_LORA_VS_BASE = 0.85
+SHAPE_TARGET_CEILING_FRACTION = 0.6
+BUILTIN = "builtin"
+PRECISIONS = ("bf16", "int8")
 LLAMA_CPP_PACKAGE = "llama-cpp-python"
 SendFn = Callable[[httpx.AsyncClient, list[int], int, str | None], Awaitable[int]]  # -> new tokens
 
@@ -264,6 +284,12 @@ class Setup:
     vllm_dtype: str = ""  # vLLM's --dtype; "" = ours'
     llama_outtype: str = ""  # the GGUF files' type (bf16, f16, f32); "" = ours' dtype
     timeout: float = 1800.0  # seconds for one batch of requests; past it the system is reported failed
+    shape: str = BUILTIN  # the built-in SmolLM2-135M, or a gpu_models shape written under the cache
+    precision: str = "bf16"  # int8: ours' int8 weights against llama.cpp's Q8_0
+
+    @property
+    def model_arg(self) -> str:
+        return "smollm2-135m" if self.shape == BUILTIN else str(self.model_dir)
 
     @property
     def max_model_len(self) -> int:
@@ -274,11 +300,13 @@ def start_ours(s: Setup) -> Server:
     port = free_port()
     n = len(s.adapters)
     cmd = [sys.executable, "-m", "loraplane_server.serving.cli", "serve", "--port", str(port), "--host", "127.0.0.1",
-           "--model", "smollm2-135m", "--served-model-name", "base", "--dtype", "auto",
+           "--model", s.model_arg, "--served-model-name", "base", "--dtype", "auto",
            "--max-num-seqs", str(s.w.batch), "--max-loras", str(n), "--max-lora-rank", str(s.w.max_lora_rank),
            "--max-model-len", str(s.max_model_len), "--adapter-dir", str(s.adapters[0].parent),
            "--disk-cache-dir", str(s.work / "ours-disk-cache"), "--max-queue", "100000",
            "--admin-token", TOKEN, "--log-level", "warning"]  # fmt: skip
+    if s.precision == "int8":
+        cmd += ["--quantization", "int8"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "server"), str(REPO / "operator")])}
     env.update(cap_env())
     log = s.work / "ours.log"
@@ -294,7 +322,9 @@ def start_ours(s: Setup) -> Server:
     except Exception:
         stop(proc)
         raise
-    server.settings = {"command": cmd[2:], "dtype": s.dtype, "torch_threads": "default (one per core)"}
+    weights = "int8, one scale per output channel" if s.precision == "int8" else s.dtype
+    threads = "default (one per core)"
+    server.settings = {"command": cmd[2:], "dtype": s.dtype, "torch_threads": threads, "weights": weights}
     return server
 
 
@@ -384,27 +414,36 @@ def to_gguf(s: Setup, info: dict) -> tuple[Path, list[Path], float]:
     out.mkdir(parents=True, exist_ok=True)
     log = s.cache / "logs" / "gguf-convert.log"
     env: dict[str, str] | None = None
-    outtype = s.llama_outtype or {"bfloat16": "bf16", "float32": "f32"}[s.dtype]
-    tag = f"{outtype}-{info['sdist']}"
+    outtype = llama_outtype(s)
+    lora_outtype = outtype if outtype != "q8_0" else {"bfloat16": "bf16", "float32": "f32"}[s.dtype]
 
-    def convert(script: str, args: list[str], dest: Path) -> Path:
+    def convert(script: str, args: list[str], dest: Path, kind: str) -> Path:
         nonlocal env
         if not dest.exists():
             env = env or converter_env(s.cache, log)
             part = dest.with_suffix(".part")
-            sh([sys.executable, str(src / script), *args, "--outfile", str(part), "--outtype", outtype], log, env=env)
+            sh([sys.executable, str(src / script), *args, "--outfile", str(part), "--outtype", kind], log, env=env)
             part.rename(dest)
         return dest
 
+    sdist = info["sdist"]
     weights = sorted(s.model_dir.glob("*.safetensors")) + [s.model_dir / "config.json"]
-    base_dest = out / f"base-{digest(*weights, extra=tag)}.gguf"
-    base = convert("convert_hf_to_gguf.py", [str(s.model_dir)], base_dest)
+    base_dest = out / f"base-{digest(*weights, extra=f'{outtype}-{sdist}')}.gguf"
+    base = convert("convert_hf_to_gguf.py", [str(s.model_dir)], base_dest, outtype)
     loras = []
     for path in s.adapters:
         files = [path / "adapter_model.safetensors", path / "adapter_config.json"]
-        dest = out / f"lora-{digest(*files, extra=tag)}.gguf"
-        loras.append(convert("convert_lora_to_gguf.py", [str(path), "--base", str(s.model_dir)], dest))
+        dest = out / f"lora-{digest(*files, extra=f'{lora_outtype}-{sdist}')}.gguf"
+        args = [str(path), "--base", str(s.model_dir)]
+        loras.append(convert("convert_lora_to_gguf.py", args, dest, lora_outtype))
     return base, loras, time.perf_counter() - start
+
+
+def llama_outtype(s: Setup) -> str:
+    """The base GGUF's type: --llama-type, else q8_0 against our int8, else our dtype's."""
+    if s.llama_outtype:
+        return s.llama_outtype
+    return "q8_0" if s.precision == "int8" else {"bfloat16": "bf16", "float32": "f32"}[s.dtype]
 
 
 def start_llama_cpp(s: Setup) -> Server:
@@ -444,7 +483,7 @@ def start_llama_cpp(s: Setup) -> Server:
     server.settings = {
         **{k: v for k, v in info.items() if k not in ("server", "src")},
         "command": [Path(c).name if c.endswith(".gguf") else c for c in cmd[1:-1]] + [f"<{len(loras)} adapters>"],
-        "gguf_outtype": s.llama_outtype or s.dtype,
+        "gguf_outtype": llama_outtype(s),
         "convert_seconds": round(convert_seconds, 1),
     }
     return server
@@ -527,27 +566,32 @@ def summarize(rounds: list[dict]) -> dict:
 
 
 # ceilings
-def machine_rates(dtype_name: str) -> dict:
+def machine_rates(dtype_name: str, shapes: list[tuple[int, int]], int8: bool = False) -> dict:
     """This process's best matmul rate in `dtype_name` at the bench's thread count (the better of torch and our
-    kernel, SmolLM2's gate|up and q|k|v shapes, 256 to 2048 rows), and its memory bandwidth (the better of a
-    1 GiB copy and a 1 GiB sum). Run under cap_env() in a child (ceilings()), so an AVX2 cap holds."""
+    kernel, over the model's (N, K) shapes, its q|k|v and gate|up, at 256 to 2048 rows; with int8, our int8
+    kernel's too, the rate an int8 engine can reach), and its memory bandwidth (the better of a 1 GiB copy and
+    a 1 GiB sum). Run under cap_env() in a child (ceilings()), so an AVX2 cap holds."""
     import torch
 
+    from loraplane_server.executor.layers.quant import quantize_int8
     from loraplane_server.kernels import cpu_kernels
 
     dtype = getattr(torch, dtype_name)
     kernel = dtype == torch.bfloat16 and cpu_kernels.load() and cpu_kernels.has_bf16_kernels()
     best_gflops = 0.0
-    for (n, k), rows in itertools.product(((3072, 576), (1536, 576)), (256, 1024, 2048)):
+    for (n, k), rows in itertools.product(shapes, (256, 1024, 2048)):
         weight = torch.randn(n, k).to(dtype)
         x = torch.randn(rows, k).to(dtype)
         out = torch.empty(rows, n, dtype=dtype)
         runs: list[Callable[[], object]] = [lambda x=x, weight=weight: torch.nn.functional.linear(x, weight)]
         if kernel:
             runs.append(lambda x=x, out=out, weight=weight: torch.ops.loraplane.linear_(out, x, weight, None))
+            if int8:
+                q, scale, wsum = quantize_int8(weight)
+                runs.append(lambda x=x, q=q, scale=scale, wsum=wsum: cpu_kernels.linear_int8(x, q, scale, wsum))
         for fn in runs:
             best = float("inf")
-            for _ in range(12):  # the first few calls run cold (allocation, page faults)
+            for _ in range(6 if rows * n * k > 1 << 32 else 12):  # the first few calls run cold (page faults)
                 start = time.perf_counter()
                 fn()
                 best = min(best, time.perf_counter() - start)
@@ -576,13 +620,24 @@ def model_sizes(model_dir: Path) -> dict[str, int]:
     return {"linear_params": layers * per_layer, "lm_head_params": c["vocab_size"] * h}
 
 
+def matmul_shapes(model_dir: Path) -> list[tuple[int, int]]:
+    """(N, K) of the model's fused q|k|v and gate|up projections, the GEMMs most of a step's FLOPs go to."""
+    c = json.loads((model_dir / "config.json").read_text())
+    h = c["hidden_size"]
+    head_dim = c.get("head_dim") or h // c["num_attention_heads"]
+    qkv = (c["num_attention_heads"] + 2 * c.get("num_key_value_heads", c["num_attention_heads"])) * head_dim
+    return [(qkv, h), (2 * c["intermediate_size"], h)]
+
+
 def ceilings(s: Setup, pool: list[int]) -> dict:
     """The same-run bounds no engine on this machine passes, for the throughput workload and the latency
     request: the linear layers' FLOPs at the measured peak matmul rate (the compute roofline) and the
     weights read once per forward pass at the measured bandwidth (the weight-stream roofline); attention,
     LoRA, sampling and everything else taken as free. The latency bound adds the two per pass (a prefill,
     then a decode step per further token: max of compute and stream each)."""
-    code = f"import json, peers; print(json.dumps(peers.machine_rates({s.dtype!r})))"
+    int8 = s.precision == "int8"
+    call = f"peers.machine_rates({s.dtype!r}, {matmul_shapes(s.model_dir)!r}, {int8})"
+    code = f"import json, peers; print(json.dumps({call}))"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "server"), str(REPO / "operator")]), **cap_env()}
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO / "bench", env=env, capture_output=True, text=True)
     if out.returncode != 0:
@@ -591,7 +646,8 @@ def ceilings(s: Setup, pool: list[int]) -> dict:
     flops_per_s, bytes_per_s = rates["peak_matmul_gflops"] * 1e9, rates["memory_gb_per_s"] * 1e9
     sizes = model_sizes(s.model_dir)
     width = 2 if s.dtype == "bfloat16" else 4
-    weight_bytes = width * (sizes["linear_params"] + sizes["lm_head_params"])
+    # int8: the decoder's linears at a byte a weight (plus a scale a row); the lm_head stays in the dtype
+    weight_bytes = (1 if int8 else width) * sizes["linear_params"] + width * sizes["lm_head_params"]
     w = s.w
     reqs = make_requests(pool, w, "lora-0", True)
     prompt, generated = sum(map(len, reqs.prompts)), sum(reqs.outputs)
@@ -616,7 +672,38 @@ def ceilings(s: Setup, pool: list[int]) -> dict:
     }
 
 
-def reach(goals: dict, results: dict[str, dict], ceiling: dict) -> None:
+@dataclass(frozen=True)
+class Targets:
+    """ours / peer bounds: throughput at least, latency at most (a peer absent: no latency target), and ours
+    with adapters over ours on the base model at least; ceiling_fraction: ours' adapters workload over the
+    same-run compute ceiling, at least (0: none)."""
+
+    throughput: dict[str, float]
+    latency: dict[str, float]
+    lora_vs_base: float
+    ceiling_fraction: float = 0.0
+
+
+BUILTIN_TARGETS = Targets(TARGET_THROUGHPUT, TARGET_LATENCY, TARGET_LORA_VS_BASE)
+SHAPE_TARGETS = Targets(
+    SHAPE_TARGET_THROUGHPUT, SHAPE_TARGET_LATENCY, SHAPE_TARGET_LORA_VS_BASE, SHAPE_TARGET_CEILING_FRACTION
+)
+
+
+def targets_for(shape: str) -> Targets:
+    return BUILTIN_TARGETS if shape == BUILTIN else SHAPE_TARGETS
+
+
+def ceiling_goal(goals: dict, results: dict[str, dict], ceiling: dict, t: Targets) -> None:
+    """ours' adapters throughput as a fraction of the compute ceiling (the larger of the two bounds' times)."""
+    ours = results.get("ours", {}).get("summary")
+    if not t.ceiling_fraction or not ours or "throughput" not in ceiling:
+        return
+    fraction = round(ours["lora_tokens_per_s"] / ceiling["throughput"]["tokens_per_s"], 3)
+    goals["ours_fraction_of_ceiling"] = target(fraction, t.ceiling_fraction, at_least=True)
+
+
+def reach(goals: dict, results: dict[str, dict], ceiling: dict, t: Targets = BUILTIN_TARGETS) -> None:
     """To every missed ours/peer goal, the best ratio the ceiling allows against that peer's measured number,
     and whether the target is within it on this machine."""
     if "throughput" not in ceiling:
@@ -628,10 +715,10 @@ def reach(goals: dict, results: dict[str, dict], ceiling: dict) -> None:
             continue
         if name.startswith("throughput"):
             best = ceiling["throughput"]["tokens_per_s"] / theirs["lora_tokens_per_s"]
-            goal["within_ceiling"] = best >= TARGET_THROUGHPUT[peer]
+            goal["within_ceiling"] = best >= t.throughput[peer]
         elif name.startswith("latency"):
             best = ceiling["latency_ms"] / theirs["latency_ms"]
-            goal["within_ceiling"] = best <= TARGET_LATENCY[peer]
+            goal["within_ceiling"] = best <= t.latency[peer]
         else:
             continue
         goal["best_ratio_at_ceiling"] = round(best, 3)
@@ -646,13 +733,13 @@ def target(value: float | None, bound: float, at_least: bool) -> dict:
     return {"target": f"{'>=' if at_least else '<='} {bound}", "value": value, "met": met}
 
 
-def ratios(results: dict[str, dict]) -> tuple[dict, dict]:
+def ratios(results: dict[str, dict], t: Targets = BUILTIN_TARGETS) -> tuple[dict, dict]:
     """ours/peer for throughput (adapters and base) and latency; the issue's targets, met or not."""
     out: dict[str, Any] = {}
     goals: dict[str, dict] = {}
     ours = results.get("ours", {}).get("summary")
     if ours:
-        goals["ours_lora_vs_base"] = target(ours["lora_over_base"], TARGET_LORA_VS_BASE, at_least=True)
+        goals["ours_lora_vs_base"] = target(ours["lora_over_base"], t.lora_vs_base, at_least=True)
     for peer in ("vllm", "llama.cpp"):
         theirs = results.get(peer, {}).get("summary")
         if not (ours and theirs):
@@ -665,8 +752,9 @@ def ratios(results: dict[str, dict]) -> tuple[dict, dict]:
             "latency_ours_over_peer": lat,
             "peer_lora_over_base": theirs["lora_over_base"],
         }
-        goals[f"throughput_vs_{peer}"] = target(tp, TARGET_THROUGHPUT[peer], at_least=True)
-        goals[f"latency_vs_{peer}"] = target(lat, TARGET_LATENCY[peer], at_least=False)
+        goals[f"throughput_vs_{peer}"] = target(tp, t.throughput[peer], at_least=True)
+        if peer in t.latency:
+            goals[f"latency_vs_{peer}"] = target(lat, t.latency[peer], at_least=False)
     return out, goals
 
 
@@ -687,7 +775,9 @@ def plot(result: dict, path: Path) -> str | None:
     axes[1].bar(done, [s["latency_ms"] for s in summ], color="#2a7")
     axes[1].set_title(f"latency, {w['latency_prompt_len']} -> {w['latency_new_tokens']} tokens, 1 adapter (ms)")
     isa_ran = result["machine"].get("isa_every_system_ran", "")
-    fig.suptitle(f"{result['machine'].get('cpu', '')}, every system as {isa_ran}", fontsize=9)
+    c = result["config"]
+    what = f"{c.get('shape', BUILTIN)} {c.get('precision', 'bf16')}, adapters on {c.get('lora_targets', 'attention')}"
+    fig.suptitle(f"{what}; {result['machine'].get('cpu', '')}, every system as {isa_ran}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -737,6 +827,9 @@ def run(
     llama_threads: int,
     vllm_dtype: str = "",
     llama_outtype: str = "",
+    shape: str = BUILTIN,
+    precision: str = "bf16",
+    lora_targets: str = "attention",
 ) -> dict:
     import torch
 
@@ -744,10 +837,18 @@ def run(
     from loraplane_server.store.builtin import resolve_model
 
     load_start = os.getloadavg()
-    model_dir = resolve_model("smollm2-135m")
-    template = make_template(model_dir, work / "template")
-    adapters = write_variants(template, work / "adapters", w.num_adapters, w.seed)
     dtype = str(resolve_dtype("auto", torch.device("cpu"))).removeprefix("torch.")
+    built: dict = {}
+    if shape == BUILTIN:
+        model_dir = resolve_model("smollm2-135m")
+        template = make_template(model_dir, work / "template")
+        adapters = write_variants(template, work / "adapters", w.num_adapters, w.seed)
+    else:
+        model_dir, built = shape_model(shape, cache, getattr(torch, dtype))
+        adapters = shape_adapters(shape, model_dir, work / "adapters", w, lora_targets, getattr(torch, dtype))
+    if precision == "int8" and "vllm" in systems:
+        systems = [n for n in systems if n != "vllm"]
+        print("peers: vLLM skipped at int8 (no weight-only int8 on its CPU backend to pair)", file=sys.stderr)
     threads = llama_threads or os.cpu_count() or 1
     s = Setup(
         model_dir,
@@ -761,6 +862,8 @@ def run(
         timeout=timeout,
         vllm_dtype=vllm_dtype,
         llama_outtype=llama_outtype,
+        shape=shape,
+        precision=precision,
     )
     pool = prompt_pool(model_dir)
     results: dict[str, dict] = {n: {"start_seconds": [], "warm_seconds": []} for n in systems}
@@ -778,9 +881,11 @@ def run(
     for name, rs in per_round.items():
         if rs and "error" not in results[name]:
             results[name]["summary"] = summarize(rs)
-    comparisons, goals = ratios(results)
+    t = targets_for(shape)
+    comparisons, goals = ratios(results, t)
     ceiling = ceilings(s, pool)
-    reach(goals, results, ceiling)
+    reach(goals, results, ceiling, t)
+    ceiling_goal(goals, results, ceiling, t)
     return {
         "machine": machine(
             dtype=getattr(torch, dtype),
@@ -791,6 +896,10 @@ def run(
             transformers_for_conversion=importlib.metadata.version("transformers"),
         ),
         "config": {
+            "shape": shape,
+            "model": built or {"name": "smollm2-135m (built-in)"},
+            "precision": precision,
+            "lora_targets": lora_targets,
             "workload": asdict(w),
             "rounds": rounds,
             "systems": systems,
@@ -802,6 +911,42 @@ def run(
         "targets": goals,
         "ceiling": ceiling,
     }
+
+
+def shape_model(name: str, cache: Path, dtype: Any) -> tuple[Path, dict]:
+    """The shape's random-weight checkpoint in dtype under cache/models (written once; a marker file holds what
+    write_model reported), with the built-in model's tokenizer files; (its directory, its record)."""
+    import gpu_models
+    import torch
+
+    from loraplane_server.store.builtin import resolve_model
+
+    shape = gpu_models.REAL_SHAPES[name]
+    out = cache / "models" / f"{name}-{str(dtype).removeprefix('torch.')}"
+    marker = out / "loraplane-bench.json"
+    if not marker.exists():
+        shutil.rmtree(out, ignore_errors=True)
+        print(f"peers: writing a random {name} ({shape.num_params() / 1e9:.2f} B parameters) to {out}", file=sys.stderr)
+        written = gpu_models.write_model(shape, out, torch.device("cpu"), dtype, resolve_model("smollm2-135m"))
+        marker.write_text(json.dumps({**written, "shape": shape.record()}, indent=1) + "\n")
+    return out, json.loads(marker.read_text())
+
+
+def shape_adapters(name: str, model_dir: Path, root: Path, w: Workload, targets: str, dtype: Any) -> list[Path]:
+    """w.num_adapters adapters of rank w.max_lora_rank named as the workload names them, on q, k, v, o or
+    (targets all) on every linear."""
+    import gpu_models
+    import torch
+
+    shape = gpu_models.REAL_SHAPES[name]
+    modules = gpu_models.EVERY_LINEAR if targets == "all" else gpu_models.ATTENTION
+    names = [adapter_id(i) for i in range(w.num_adapters)]
+    cpu = torch.device("cpu")
+    paths = gpu_models.write_adapter_family(shape, root, names, w.max_lora_rank, cpu, dtype, targets=modules)
+    for path in paths.values():  # the base they were made for, as PEFT records it
+        cfg = json.loads((path / "adapter_config.json").read_text())
+        (path / "adapter_config.json").write_text(json.dumps({**cfg, "base_model_name_or_path": str(model_dir)}))
+    return [paths[n] for n in names]
 
 
 def main() -> None:
@@ -830,8 +975,21 @@ def main() -> None:
     parser.add_argument(
         "--llama-type", default="", help="the GGUF type llama.cpp serves: bf16, f16 or f32 (default: ours' dtype)"
     )
+    parser.add_argument(
+        "--shape", default=BUILTIN, help="builtin (SmolLM2-135M) or a random-weight model of a real config: "
+        "llama-3.2-1b, smollm2-1.7b, qwen2.5-3b (written once under the cache)"
+    )  # fmt: skip
+    parser.add_argument("--precision", choices=PRECISIONS, default="bf16", help="int8: ours int8 vs llama.cpp Q8_0")
+    parser.add_argument("--targets", choices=("attention", "all"), default="attention",
+                        help="the adapters' modules: q, k, v, o, or every linear")  # fmt: skip
+    parser.add_argument("--rank", type=int, default=0, help="adapter rank (default: 8 on the built-in, 16 on a shape)")
+    parser.add_argument("--num-requests", type=int, default=0, help="requests per batch (default: the workload's)")
+    parser.add_argument("--num-adapters", type=int, default=0, help="adapters (default: the workload's)")
     parser.add_argument("--install-only", action="store_true", help="install vLLM and build llama.cpp; no run")
     args = parser.parse_args()
+    shapes = (BUILTIN, "llama-3.2-1b", "smollm2-1.7b", "qwen2.5-3b")
+    if args.shape not in shapes:
+        parser.error(f"unknown shape {args.shape!r}; choose from {shapes}")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the servers are stopped on the way out
     systems = [n.strip() for n in args.systems.split(",") if n.strip()]
     unknown = sorted(set(systems) - set(SYSTEMS))
@@ -847,6 +1005,16 @@ def main() -> None:
         return
     w = QUICK if args.quick else Workload()
     w = replace(w, latency_repeats=args.latency_repeats or w.latency_repeats)
+    rank = args.rank or (8 if args.shape == BUILTIN else 16)
+    w = replace(
+        w,
+        max_lora_rank=rank,
+        num_requests=args.num_requests or w.num_requests,
+        num_adapters=args.num_adapters or w.num_adapters,
+        max_loras=args.num_adapters or w.max_loras,
+    )
+    if args.shape == BUILTIN and (rank != 8 or args.targets != "attention"):
+        parser.error("the built-in's adapters are multi_lora.py's (rank 8, q and v); --rank/--targets need a --shape")
     with tempfile.TemporaryDirectory(prefix="loraplane-peers-") as tmp:
         result = run(
             systems,
@@ -859,6 +1027,9 @@ def main() -> None:
             args.llama_threads,
             args.vllm_dtype,
             args.llama_type,
+            args.shape,
+            args.precision,
+            args.targets,
         )
     write_result(result, args.out, plot)
 
