@@ -96,6 +96,7 @@ SHAPE_TARGET_LATENCY = {"llama.cpp": 1.0}
 SHAPE_TARGET_LORA_VS_BASE = 0.85
 SHAPE_TARGET_CEILING_FRACTION = 0.6
 BUILTIN = "builtin"
+GGUF_TYPES = {"bfloat16": "bf16", "float32": "f32"}  # our dtype -> llama.cpp's converter --outtype
 PRECISIONS = ("bf16", "int8")
 LLAMA_CPP_PACKAGE = "llama-cpp-python"
 SendFn = Callable[[httpx.AsyncClient, list[int], int, str | None], Awaitable[int]]  # -> new tokens
@@ -415,7 +416,7 @@ def to_gguf(s: Setup, info: dict) -> tuple[Path, list[Path], float]:
     log = s.cache / "logs" / "gguf-convert.log"
     env: dict[str, str] | None = None
     outtype = llama_outtype(s)
-    lora_outtype = outtype if outtype != "q8_0" else {"bfloat16": "bf16", "float32": "f32"}[s.dtype]
+    lora_outtype = outtype if outtype != "q8_0" else GGUF_TYPES[s.dtype]
 
     def convert(script: str, args: list[str], dest: Path, kind: str) -> Path:
         nonlocal env
@@ -443,7 +444,7 @@ def llama_outtype(s: Setup) -> str:
     """The base GGUF's type: --llama-type, else q8_0 against our int8, else our dtype's."""
     if s.llama_outtype:
         return s.llama_outtype
-    return "q8_0" if s.precision == "int8" else {"bfloat16": "bf16", "float32": "f32"}[s.dtype]
+    return "q8_0" if s.precision == "int8" else GGUF_TYPES[s.dtype]
 
 
 def start_llama_cpp(s: Setup) -> Server:
@@ -622,11 +623,12 @@ def model_sizes(model_dir: Path) -> dict[str, int]:
 
 def matmul_shapes(model_dir: Path) -> list[tuple[int, int]]:
     """(N, K) of the model's fused q|k|v and gate|up projections, the GEMMs most of a step's FLOPs go to."""
-    c = json.loads((model_dir / "config.json").read_text())
-    h = c["hidden_size"]
-    head_dim = c.get("head_dim") or h // c["num_attention_heads"]
-    qkv = (c["num_attention_heads"] + 2 * c.get("num_key_value_heads", c["num_attention_heads"])) * head_dim
-    return [(qkv, h), (2 * c["intermediate_size"], h)]
+    from loraplane_server.adapters.weights import module_shapes
+    from loraplane_server.executor.models.registry import model_args
+
+    dims = module_shapes(model_args(json.loads((model_dir / "config.json").read_text())))  # name -> (in, out)
+    hidden = dims["q_proj"][0]
+    return [(sum(dims[m][1] for m in ("q_proj", "k_proj", "v_proj")), hidden), (2 * dims["gate_proj"][1], hidden)]
 
 
 def ceilings(s: Setup, pool: list[int]) -> dict:

@@ -17,11 +17,11 @@ import torch
 
 from loraplane_server.config import EngineConfig
 from loraplane_server.engine.llm_engine import LLMEngine
-from loraplane_server.sampling_params import SamplingParams
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 
+import gpu  # noqa: E402
 import gpu_models  # noqa: E402
 import peers  # noqa: E402
 from multi_lora import Workload  # noqa: E402
@@ -65,20 +65,10 @@ def mixed_batch_matches_peft(shape: gpu_models.Shape, tmp: Path, specs: list[gpu
     engine = engine_on(tmp / "model", tmp / "adapters", tmp)
     rng = random.Random(42)
     work = [(a, [rng.randrange(100, 49_000) for _ in range(rng.randrange(5, 40))]) for a in [*paths, None] * 2]
-    params = SamplingParams(max_new_tokens=5, ignore_eos=True)
-    ids = [engine.add_request(prompt, params, adapter_id=adapter) for adapter, prompt in work]
-    done: dict = {}
-    for _ in range(2000):
-        for out in engine.step():
-            assert out.error is None, out.error
-            if out.finished:
-                done[out.request_id] = out.token_ids
-        if len(done) == len(ids):
-            break
-    assert len(done) == len(ids)
+    ours = gpu.ours_tokens(engine, [(prompt, adapter) for adapter, prompt in work], 5)
     reference = gpu_models.load_reference(tmp / "model", paths, torch.float32, CPU)
-    for rid, (adapter, prompt) in zip(ids, work, strict=True):
-        assert done[rid] == gpu_models.reference_greedy(reference, prompt, adapter, 5), adapter
+    for tokens, (adapter, prompt) in zip(ours, work, strict=True):
+        assert tokens == gpu_models.reference_greedy(reference, prompt, adapter, 5), adapter
     for adapter in paths:
         assert gpu_models.adapter_effect(reference, work[0][1], adapter) > 0.1, adapter
 
@@ -106,7 +96,7 @@ def test_qwen2_shape_with_qkv_bias_matches_peft(tmp_path: Path) -> None:
     mixed_batch_matches_peft(shape, tmp_path, [gpu_models.AdapterSpec("all-r16", 16, gpu_models.EVERY_LINEAR)])
 
 
-def test_bench_shape_helpers(tmp_path: Path) -> None:
+def test_bench_shape_helpers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The ceiling's GEMM shapes come from the model's config; a shape's adapters are the workload's names with
     the rank and targets asked; targets and the int8 pairing are issue 42's."""
     shape = gpu_models.LLAMA_32_1B
@@ -114,13 +104,9 @@ def test_bench_shape_helpers(tmp_path: Path) -> None:
     (tmp_path / "model" / "config.json").write_text(json.dumps(shape.config()))
     assert peers.matmul_shapes(tmp_path / "model") == [((32 + 2 * 8) * 64, 2048), (2 * 8192, 2048)]
     small = replace(shape, num_layers=1, hidden_size=64, intermediate_size=128, num_heads=2, num_kv_heads=1)
-    monkey = pytest.MonkeyPatch()
-    monkey.setitem(gpu_models.REAL_SHAPES, "tiny-test", small)
-    try:
-        w = replace(Workload(), num_adapters=3, max_lora_rank=16)
-        paths = peers.shape_adapters("tiny-test", tmp_path / "model", tmp_path / "a", w, "all", torch.float32)
-    finally:
-        monkey.undo()
+    monkeypatch.setitem(gpu_models.REAL_SHAPES, "tiny-test", small)
+    w = replace(Workload(), num_adapters=3, max_lora_rank=16)
+    paths = peers.shape_adapters("tiny-test", tmp_path / "model", tmp_path / "a", w, "all", torch.float32)
     assert [p.name for p in paths] == ["a0000", "a0001", "a0002"]
     cfg = json.loads((paths[1] / "adapter_config.json").read_text())
     assert cfg["r"] == 16 and set(cfg["target_modules"]) == set(gpu_models.EVERY_LINEAR)
