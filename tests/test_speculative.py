@@ -2,7 +2,8 @@
 
 Greedy: token for token equal with speculation on and off (tiny random models and SmolLM2; mixed adapters
 and base requests joining at different steps, prefix-cache hits, forced preemption, stops and max_tokens
-inside an accepted run), with acceptances counted so the comparison can fail. Sampled: a chi-square test
+inside an accepted run; in bf16, parting only at near ties of the fp32 model), with acceptances counted so
+the comparison can fail. Sampled: a chi-square test
 that the token at one position is distributed as plain sampling's. Blocks and slots back after a soak.
 """
 
@@ -159,12 +160,52 @@ def compare(
         assert engine.block_manager.num_free_blocks == free0 and engine.slots.num_busy == 0
     (plain, _), _ = results[0]
     (spec_tokens, groups), engine = results[1]
-    for i, (a, b) in enumerate(zip(plain, spec_tokens, strict=True)):
-        assert a == b, f"request {i}: speculative output differs: {a} vs {b}"
+    if config.get("dtype") == "bfloat16":
+        # the CPU kernels' bf16 sums differ in order with the rows in a call (linear_gemm_rows), so the
+        # k + 1 verification rows may round a near tie the other way than plain decoding's rows did
+        parts_only_at_near_ties(model_dir, adapters or {}, work, plain, spec_tokens)
+    else:
+        for i, (a, b) in enumerate(zip(plain, spec_tokens, strict=True)):
+            assert a == b, f"request {i}: speculative output differs: {a} vs {b}"
     proposed, accepted = speculation_counts(engine)
     assert accepted > 0 and (proposed > accepted or not rejections), (proposed, accepted)
     assert any(g > 1 for gs in groups for g in gs)
     return plain, engine
+
+
+NEAR_TIE = 0.05  # nats between two tokens' fp32 log-probabilities that bf16 rounding may swap
+
+
+def parts_only_at_near_ties(
+    model_dir: Path, adapters: dict[str, Path], work: Work, plain: list[list[int]], spec: list[list[int]]
+) -> None:
+    """bf16 speculative against plain tokens: equal, or parting first where the fp32 model (PEFT with
+    the request's adapter) scores the two tokens within NEAR_TIE of each other, and at most a third of
+    the requests parting at all (a verification bug parts them at once, far from a tie)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from lora_helpers import teacher_forced
+
+    models: dict[str | None, torch.nn.Module] = {}
+    parted = 0
+    for i, ((adapter, prompt, _, _), a, b) in enumerate(zip(work, plain, spec, strict=True)):
+        if a == b:
+            continue
+        parted += 1
+        at = next((j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+        assert at < min(len(a), len(b)), f"request {i}: one output is a prefix of the other: {a} vs {b}"
+        if adapter not in models:
+            base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+            models[adapter] = base if adapter is None else PeftModel.from_pretrained(base, str(adapters[adapter]))
+        (lp_a,), best = teacher_forced(models[adapter], prompt + a[:at], [a[at]])
+        (lp_b,), _ = teacher_forced(models[adapter], prompt + a[:at], [b[at]])
+        gap = abs(float(lp_a - lp_b))
+        assert gap < NEAR_TIE and float(best[0] - max(lp_a, lp_b)) < NEAR_TIE, (
+            f"request {i} parts at token {at} ({a[at]} plain, {b[at]} speculative): fp32 log-probabilities "
+            f"{float(lp_a):.4f} / {float(lp_b):.4f} (best {float(best[0]):.4f}) are no near tie: {a} vs {b}"
+        )
+    assert parted * 3 <= len(work), f"{parted} of {len(work)} requests part: {plain} vs {spec}"
 
 
 def mixed_work(vocab: int, adapters: list[str | None], n: int = 12, seed: int = 5) -> Work:
@@ -390,7 +431,9 @@ def test_bf16_kernels_greedy_equal(
     tiny_llama_dir: Path, tiny_adapters: dict[str, Path], tmp_path: Path, fuse_layers: bool, method: str
 ) -> None:
     """The verification rows through the CPU kernels (prefill-chunk attention, the last layer on k + 1 logits
-    rows a sequence, BGMV per row): a tiny model far from ties gives plain decoding's tokens."""
+    rows a sequence, BGMV per row): plain decoding's tokens, or a first parting at a near tie of the fp32
+    model (the kernels' bf16 sums take another order at other row counts; this tiny model's flat
+    distributions have such ties)."""
     work = mixed_work(512, [*tiny_adapters, None], n=9, seed=13)
     compare(
         tiny_llama_dir,

@@ -48,21 +48,45 @@ def test_strided_rows_of_x(rows: int) -> None:
     assert within_bf16_rounding(cpu_kernels.linear(x, w), F.linear(x.float(), w.float()))
 
 
+def paths(rows: int, k: int) -> torch.Tensor:
+    """Which path computes each of a call's rows: 2 the GEMM (the first linear_gemm_rows), and of
+    the rest, 0 when they are at most 4 (W streamed row by row, in tiles as wide as the rows: its sum
+    order depends on their number, so those rows are compared with nothing), else 1 (the decode path)."""
+    gemm = cpu_kernels.linear_gemm_rows(rows, k)
+    label = torch.full((rows,), 0 if rows - gemm <= 4 else 1)
+    label[:gemm] = 2
+    return label
+
+
 def test_a_row_does_not_depend_on_the_rows_beside_it() -> None:
-    """On the GEMM path (5 rows and more) each output row is summed in one fixed order, whatever the
-    batch around it and wherever it sits in the packed chunks."""
+    """Each path sums an output row in one fixed order, whatever the batch around it and wherever the
+    row sits in it: a row computed by the same path in two calls has the same bits. Past 4 rows (the
+    decode path of the AVX2 build at 5-16 rows, its GEMM beyond, with the last 1-8 rows of a call that
+    is not a whole number of its 24-row panels on the decode path again) both paths occur."""
     x, w = torch.randn(150, 576).to(torch.bfloat16), torch.randn(200, 576).to(torch.bfloat16)
     full = cpu_kernels.linear(x, w)
-    for lo, hi in [(0, 5), (10, 27), (60, 70), (63, 150)]:
-        assert torch.equal(cpu_kernels.linear(x[lo:hi], w), full[lo:hi]), (lo, hi)
+    compared = {True: 0, False: 0}
+    for lo, hi in [(0, 5), (10, 27), (60, 70), (63, 150), (140, 150), (0, 16), (3, 35), (0, 49), (120, 150)]:
+        part = cpu_kernels.linear(x[lo:hi], w)
+        same = (paths(hi - lo, 576) == paths(150, 576)[lo:hi]) & (paths(hi - lo, 576) > 0)
+        assert torch.equal(part[same], full[lo:hi][same]), (lo, hi)
+        for path in (True, False):
+            compared[path] += int((same & ((paths(hi - lo, 576) == 2) == path)).sum())
+    # reversed rows: the same bits at other positions
+    flipped = cpu_kernels.linear(x[:13].flip(0), w).flip(0)
+    assert torch.equal(flipped, cpu_kernels.linear(x[:13], w))
+    assert compared[True] > 0
+    if cpu_kernels.isa() == "avx2":
+        assert compared[False] > 0  # the decode path's rows were compared too
 
 
 @pytest.mark.parametrize("k", [2, 16, 33, 129, 130])
 def test_shapes_around_the_tile_edges(k: int) -> None:
     """Row counts either side of the GEMM's register tiles and packed chunks (8, 24 and 72 rows in
     the AVX2 build, 16 and 64 in the AVX-512 one), W row counts either side of its tiles and blocks,
-    short and odd K: each within bf16 rounding of fp32; on the GEMM path (5 rows and more, even K)
-    each row the same bits as in a call of 200 rows; the fused SiLU the same bits as the two ops."""
+    short and odd K: each within bf16 rounding of fp32; each row that the same path (the GEMM, or past
+    4 rows the decode path) computes in both the same bits as in a call of 200 rows; the fused SiLU
+    the same bits as the two ops."""
     gen = torch.Generator().manual_seed(k)
     x = torch.randn(200, k, generator=gen).to(torch.bfloat16)
     for n in (1, 5, 13, 26, 50):
@@ -72,10 +96,9 @@ def test_shapes_around_the_tile_edges(k: int) -> None:
         assert within_bf16_rounding(full, F.linear(x.float(), w.float(), b.float())), n
         for rows in (1, 2, 3, 4, 5, 8, 9, 17, 23, 24, 25, 63, 64, 65, 71, 72, 73, 97, 199):
             part = cpu_kernels.linear(x[200 - rows :], w, b)
-            if rows > 4 and k % 2 == 0:
-                assert torch.equal(part, full[200 - rows :]), (n, rows)
-            else:
-                assert within_bf16_rounding(part, F.linear(x[200 - rows :].float(), w.float(), b.float())), (n, rows)
+            assert within_bf16_rounding(part, F.linear(x[200 - rows :].float(), w.float(), b.float())), (n, rows)
+            same = (paths(rows, k) == paths(200, k)[200 - rows :]) & (paths(rows, k) > 0)
+            assert torch.equal(part[same], full[200 - rows :][same]), (n, rows)
             if n % 2 == 0:
                 fused = cpu_kernels.linear_silu_mul(x[200 - rows :], w, b)
                 assert torch.equal(fused, cpu_kernels.silu_mul(cpu_kernels.linear(x[200 - rows :], w, b))), (n, rows)

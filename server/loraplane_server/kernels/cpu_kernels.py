@@ -257,6 +257,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out
 
 
+def linear_gemm_rows(rows: int, k: int) -> int:
+    """Of a bf16 linear() of `rows` rows with `k` columns, how many (the first) the kernel's GEMM computes;
+    the rest run its decode paths. A row's bits depend on which of the two computes it, not on the
+    other rows' values."""
+    return int(torch.ops.loraplane.linear_gemm_rows(rows, k))
+
+
 def linear_int8(
     x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, wsum: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:

@@ -13,6 +13,8 @@ TORCH_LIBRARY(loraplane, m) {
   // up to which the layers take linear_ over torch's GEMM
   m.def("isa", &loraplane_cpu::isa);
   m.def("linear_max_rows", &loraplane_cpu::linear_max_rows);
+  // how many of a bf16 linear_'s rows its GEMM takes (the first ones; the rest run the decode paths)
+  m.def("linear_gemm_rows", &loraplane_cpu::linear_gemm_rows);
 
   // paged_attention_cpu.cpp: decode attention over the paged KV cache, and the cache writes
   m.def(

@@ -20,7 +20,7 @@
 // Output rows are rounded to bf16 once, from the fp32 sum (round to nearest even), as torch's
 // bf16 linear does; the summation order differs from torch's, so results agree to bf16
 // rounding, not bitwise. Each output element is computed by one thread start to end in a fixed
-// order, so the result does not depend on the thread count, and (on the GEMM path) a row's
+// order, so the result does not depend on the thread count, and (within a path) a row's
 // result does not depend on which other rows share the call. Rows of W are spread over torch's
 // intra-op pool.
 //
@@ -33,7 +33,16 @@
 // dots 16 values a step; the GEMM packs x into 24-row panels already widened and split into even
 // and odd values ([K/2][2][rows] fp32), broadcasts a pair's even value of W and then its odd one into
 // MT x NR = 3 x 4 accumulators of 8 rows (2 x 6 or 1 x 12 for a panel's last rows), and runs each
-// block of 12 rows of W against the 3 panels of a 72-row chunk in turn.
+// block of 12 rows of W against the 3 panels of a 72-row chunk in turn. Its widening costs one op per
+// value of W per panel, so a panel of one vector of x (8 rows) runs at a quarter of a full one's
+// speed: a third path, for decode batches, takes 5-16 rows, and the last 1-8 rows of a larger call
+// that is not a whole number of panels (gemm_head). It widens x once per call and reads W as vectors
+// of 16 values, each widened once for 3 rows of x (dot_linear). Measured A/B on a Zen 3 (Llama-3.2-1B's
+// projections, 2 threads): 5 rows 23 -> 65 GFLOPS, 8 rows 36 -> 85, 28 rows 74 -> 117, 32 rows 84 ->
+// 117; 12-24 and 40 rows within noise.
+//
+// Which path computes a row depends on the call's row count (linear_gemm_rows says), so a row's bits
+// may change with the batch size; within one path they never depend on the other rows.
 //
 // What each choice measured: docs/kernels.md.
 // Exposed (bindings.cpp) as torch.ops.loraplane.linear_ and linear_silu_mul_ (in-place on `out`). Builds with
@@ -59,6 +68,11 @@ namespace {
 using BF = c10::BFloat16;
 
 constexpr int64_t kFewRows = 4;     // up to here the weight-streaming path wins (bench/linear.py)
+#ifdef LORAPLANE_AVX512_BF16
+constexpr int64_t kDecodeMaxRows = kFewRows;  // up to here no GEMM (bench/linear.py)
+#else
+constexpr int64_t kDecodeMaxRows = 16;
+#endif
 constexpr int64_t kGroupRows = 48;  // rows of W per unit of parallel work (a multiple of 4, 6, 8, 12)
 
 inline uint32_t load_u32(const void* p) {
@@ -425,6 +439,144 @@ void gemm_linear(BF* out, int64_t so, const BF* x, int64_t sx, const BF* w, cons
     }
   });
 }
+
+// ---- the decode path: a few rows of x against the whole of W -------------------------------------
+//
+// At decode batch sizes (5-20 rows) the GEMM above has one or two vectors of 8 rows of x per tile, so
+// each broadcast value of W (widened by one shift or mask) feeds only one or two FMAs, and the
+// widening binds before the FMAs do. Here W is read in its own row order as vectors of 16 values,
+// widened once (two ops) and multiplied into MT rows of x, so one widening feeds MT FMAs (x is widened
+// to fp32 once per call, [M][K/16][even 8 | odd 8]). Each (row of W, row of x) keeps an accumulator
+// vector of 8 partial sums, summed across its lanes at the end, as tile<> does above. K runs in blocks
+// whose rows of x stay in L1 while every row of the thread's W passes; the accumulators go to a scratch
+// buffer between blocks (fp32, exactly), so the block size changes no bit of the result, and neither
+// does the number of rows of x: a row's result is the same in any batch this path takes.
+constexpr int kDotWRows = 3;  // rows of W per tile
+constexpr int kDotXRows = 3;  // rows of x per tile: 9 accumulators + 3 widened rows of W + one of x
+
+// x [M, K] into xw, widened, block by block: [K16 / block][M][block][2][8] fp32 (K16 = K rounded up
+// to 16, / 16; a step s of 16 values holds 8 even values, then 8 odd ones), zero past K. A block's
+// rows are one contiguous piece (M x block x 64 bytes): rows of x a multiple of 4 KB apart would
+// fall in the same sets of L1, more of them than its 8 ways.
+void widen_rows(float* xw, const BF* x, int64_t sx, int64_t M, int64_t K, int64_t K16, int64_t block) {
+  for (int64_t s0 = 0; s0 < K16; s0 += block)
+    for (int64_t m = 0; m < M; ++m) {
+      float* o = xw + (s0 * M + m * block) * 16;
+      for (int64_t s = s0; s < std::min(K16, s0 + block); ++s) {
+        const __m256i b = v2::load16_bf16(x + m * sx + 16 * s, K - 16 * s);
+        _mm256_storeu_ps(o + 16 * (s - s0), v2::even_f32(b));
+        _mm256_storeu_ps(o + 16 * (s - s0) + 8, v2::odd_f32(b));
+      }
+    }
+}
+
+// acc[r][j] += w[r][16 s0 .. 16 s1) . x[j][same] for R rows of W (row stride K) and MT rows of x
+// (widened: the block's rows from step s0 on, xs floats apart); acc is [R][MT] vectors in memory,
+// loaded and stored once.
+template <int R, int MT>
+__attribute__((noinline)) void dot_tile(__m256* acc_io, const float* xw, int64_t xs, const BF* w, int64_t K, int64_t s0,
+                                        int64_t s1) {
+  __m256 acc[R][MT];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int j = 0; j < MT; ++j) acc[r][j] = _mm256_loadu_ps(reinterpret_cast<const float*>(acc_io + r * MT + j));
+  const int64_t whole = std::min(s1, K / 16);  // steps with 16 values of W in the row
+  for (int64_t s = s0; s < s1; ++s) {
+    const BF* ws = w + 16 * s;
+    const int64_t n = s < whole ? 16 : K - 16 * s;
+    __m256 wv[R];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) wv[r] = v2::even_f32(v2::load16_bf16(ws + r * K, n));
+#pragma GCC unroll 4
+    for (int j = 0; j < MT; ++j) {
+      __m256 xv = _mm256_loadu_ps(xw + j * xs + 16 * (s - s0));
+      asm("" : "+x"(xv));  // one load of x for its R FMAs (else GCC folds a load into each)
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) acc[r][j] = _mm256_fmadd_ps(wv[r], xv, acc[r][j]);
+    }
+    asm("" : "+r"(ws));  // reload W for the odd half rather than keep R more registers (as gemm_tile)
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) wv[r] = v2::odd_f32(v2::load16_bf16(ws + r * K, n));
+#pragma GCC unroll 4
+    for (int j = 0; j < MT; ++j) {
+      __m256 xv = _mm256_loadu_ps(xw + j * xs + 16 * (s - s0) + 8);
+      asm("" : "+x"(xv));
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) acc[r][j] = _mm256_fmadd_ps(wv[r], xv, acc[r][j]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int j = 0; j < MT; ++j) _mm256_storeu_ps(reinterpret_cast<float*>(acc_io + r * MT + j), acc[r][j]);
+}
+
+// R rows of W against all M rows of x, MT (or fewer, for the last) at a time; acc [R][M] vectors.
+// Rows of x per tile from row m on: kDotXRows, but a last row left alone (M = 3q + 1) goes with the
+// three before it as 2 + 2 (a one-row tile widens W for a single FMA).
+inline int64_t dot_x_rows(int64_t m, int64_t M) {
+  const int64_t left = M - m;
+  return left == kDotXRows + 1 || left == 2 ? 2 : std::min<int64_t>(kDotXRows, left);
+}
+
+template <int R>
+void dot_rows(__m256* acc, const float* xw, int64_t xs, const BF* w, int64_t M, int64_t K, int64_t s0, int64_t s1) {
+  for (int64_t m = 0; m < M;) {
+    const int64_t mt = dot_x_rows(m, M);
+    switch (mt) {
+      case 3: dot_tile<R, 3>(acc + m * R, xw + m * xs, xs, w, K, s0, s1); break;
+      case 2: dot_tile<R, 2>(acc + m * R, xw + m * xs, xs, w, K, s0, s1); break;
+      default: dot_tile<R, 1>(acc + m * R, xw + m * xs, xs, w, K, s0, s1); break;
+    }
+    m += mt;
+  }
+}
+
+void dot_linear(BF* out, int64_t so, const BF* x, int64_t sx, const BF* w, const BF* bias, int64_t M, int64_t K,
+                int64_t N) {
+  const int64_t K16 = (K + 15) / 16;
+  // steps of 16 values of K per block: the block's rows of x take ~16 KB of L1
+  const int64_t block = std::max<int64_t>(8, std::min(K16, 256 / M)), xs = block * 16;
+  std::unique_ptr<float[]> widened(new float[static_cast<size_t>((K16 + block - 1) / block * block * M * 16)]);
+  widen_rows(widened.get(), x, sx, M, K, K16, block);
+  at::parallel_for(0, (N + kGroupRows - 1) / kGroupRows, 1, [&](int64_t begin, int64_t end) {
+    std::unique_ptr<__m256[]> acc(new __m256[static_cast<size_t>(kGroupRows * M)]);
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t n0 = g * kGroupRows, rows = std::min(kGroupRows, N - n0);
+      std::fill_n(reinterpret_cast<float*>(acc.get()), rows * M * 8, 0.0f);
+      for (int64_t s0 = 0; s0 < K16; s0 += block) {
+        const int64_t s1 = std::min(K16, s0 + block);
+        const float* xb = widened.get() + s0 * M * 16;  // this block's rows of x
+        int64_t r = 0;
+        for (; r + kDotWRows <= rows; r += kDotWRows) {
+          // the next tile's part of this block, on its way from memory while this tile computes
+          const char* next = reinterpret_cast<const char*>(w + (n0 + r + kDotWRows) * K + 16 * s0);
+          const int64_t bytes = std::min(16 * (s1 - s0), K - 16 * s0) * 2;
+          if (r + 2 * kDotWRows <= rows)
+            for (int64_t i = 0; i < kDotWRows; ++i)
+              for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(next + i * K * 2 + b, _MM_HINT_T0);
+          dot_rows<kDotWRows>(acc.get() + r * M, xb, xs, w + (n0 + r) * K, M, K, s0, s1);
+        }
+        for (; r < rows; ++r) dot_rows<1>(acc.get() + r * M, xb, xs, w + (n0 + r) * K, M, K, s0, s1);
+      }
+      // acc holds, per tile of R rows of W, [R][MT] vectors for each MT rows of x: find (r, m)'s
+      for (int64_t r = 0; r < rows; ++r) {
+        const bool tiled = r < rows / kDotWRows * kDotWRows;  // in a tile of kDotWRows rows, or a single one
+        const int64_t r0 = tiled ? r / kDotWRows * kDotWRows : r, R = tiled ? kDotWRows : 1;
+        for (int64_t m0 = 0; m0 < M;) {
+          const int64_t mt = dot_x_rows(m0, M);
+          for (int64_t m = m0; m < m0 + mt; ++m) {
+            float v = v2::hsum(acc[r0 * M + m0 * R + (r - r0) * mt + (m - m0)]);
+            if (bias != nullptr) v += static_cast<float>(bias[n0 + r]);
+            out[m * so + n0 + r] = BF(v);
+          }
+          m0 += mt;
+        }
+      }
+    }
+  });
+}
 #endif
 
 #ifdef LORAPLANE_BF16_LINEAR
@@ -451,11 +603,49 @@ void few_rows_linear(BF* out, int64_t so, const BF* x, int64_t sx, const BF* w, 
     }
   });
 }
+
+// How many of a call's M rows (the first ones) the GEMM takes; the rest run decode_linear. The GEMM
+// needs whole pairs (even K) and rows enough to fill its tiles. In the AVX2 build a last panel of
+// 1-8 rows (one vector of x against 12 broadcast rows of W) would run at a quarter of the speed of
+// the full ones, so those rows go to the decode paths (bench/linear.py measured both).
+inline int64_t gemm_head(int64_t M, int64_t K) {
+  if (K % 2 != 0 || M <= kDecodeMaxRows) return 0;
+#ifdef LORAPLANE_AVX512_BF16
+  return M;
+#else
+  const int64_t tail = M % kPanelRows;
+  return tail <= 8 ? M - tail : M;
+#endif
+}
+
+// The rows the GEMM does not take: up to kFewRows by streaming W row by row; more (odd K) in
+// two-row tiles (AVX-512) or on the decode path (AVX2, any K).
+void decode_linear(BF* out, int64_t so, const BF* x, int64_t sx, const BF* w, const BF* bias, int64_t M, int64_t K,
+                   int64_t N) {
+  if (M <= kFewRows) {
+    few_rows_linear<1>(out, so, x, sx, w, bias, M, K, N);
+    return;
+  }
+#ifdef LORAPLANE_AVX512_BF16
+  few_rows_linear<2>(out, so, x, sx, w, bias, M, K, N);
+#else
+  dot_linear(out, so, x, sx, w, bias, M, K, N);
+#endif
+}
 #endif
 
 }  // namespace
 
 namespace loraplane_cpu {
+
+int64_t linear_gemm_rows(int64_t rows, int64_t k) {
+#ifdef LORAPLANE_BF16_LINEAR
+  return gemm_head(rows, k);
+#else
+  (void)rows, (void)k;
+  return 0;
+#endif
+}
 
 // out: [M, N], x: [M, K] (rows may be strided), w: [N, K] contiguous, bias: [N] or none; one dtype.
 void linear_(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
@@ -478,13 +668,9 @@ void linear_(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, const c1
     auto* po = out.data_ptr<BF>();
     const auto *px = x.data_ptr<BF>(), *pw = w.data_ptr<BF>();
     const BF* pb = bias.has_value() ? bias->data_ptr<BF>() : nullptr;
-    if (M <= kFewRows) {
-      few_rows_linear<1>(po, out.stride(0), px, x.stride(0), pw, pb, M, K, N);
-    } else if (K % 2 != 0) {  // no whole pairs to pack
-      few_rows_linear<2>(po, out.stride(0), px, x.stride(0), pw, pb, M, K, N);
-    } else {
-      gemm_linear(po, out.stride(0), px, x.stride(0), pw, pb, M, K, N);
-    }
+    const int64_t so = out.stride(0), sx = x.stride(0), head = gemm_head(M, K);
+    if (head > 0) gemm_linear(po, so, px, sx, pw, pb, head, K, N);
+    if (head < M) decode_linear(po + head * so, so, px + head * sx, sx, pw, pb, M - head, K, N);
     return;
   }
 #endif
@@ -500,7 +686,8 @@ void linear_silu_mul_(at::Tensor& out, const at::Tensor& x, const at::Tensor& w,
   const int64_t M = x.size(0), K = x.size(1), I = w.size(0) / 2;
   TORCH_CHECK(out.size(0) == M && out.size(1) == I, "linear_silu_mul_: out must be [", M, ", ", I, "]");
 #ifdef LORAPLANE_BF16_LINEAR
-  if (x.scalar_type() == at::kBFloat16 && M > kFewRows && K % 2 == 0) {
+  const int64_t head = gemm_head(M, K);  // rows the fused GEMM takes; the rest run unfused (below)
+  if (x.scalar_type() == at::kBFloat16 && head > 0) {
     TORCH_CHECK(w.size(1) == K, "linear_silu_mul_: w has ", w.size(1), " columns, x has ", K);
     TORCH_CHECK(w.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16,
                 "linear_silu_mul_: x, w and out must share a dtype");
@@ -514,7 +701,10 @@ void linear_silu_mul_(at::Tensor& out, const at::Tensor& x, const at::Tensor& w,
                   "linear_silu_mul_: bias must be a bf16 [2I]");
     if (I == 0) return;
     gemm_linear<true>(out.data_ptr<BF>(), out.stride(0), x.data_ptr<BF>(), x.stride(0), w.data_ptr<BF>(),
-                      bias.has_value() ? bias->data_ptr<BF>() : nullptr, M, K, I);
+                      bias.has_value() ? bias->data_ptr<BF>() : nullptr, head, K, I);
+    if (head == M) return;
+    at::Tensor rest = out.narrow(0, head, M - head);  // the last rows, unfused (as below)
+    linear_silu_mul_(rest, x.narrow(0, head, M - head), w, bias);
     return;
   }
 #endif

@@ -33,6 +33,10 @@ inline int64_t linear_max_rows() { return kLinearMaxRows; }
 void linear_(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias);
 void linear_silu_mul_(at::Tensor& out, const at::Tensor& x, const at::Tensor& w,
                       const c10::optional<at::Tensor>& bias);
+// Of a bf16 linear_ of `rows` rows of x with `k` columns, how many (the first ones) the register-tiled
+// GEMM computes; the others run a decode path (0 where the build has no bf16 paths). A row's result
+// depends on which of the two computes it, never on the values of the other rows.
+int64_t linear_gemm_rows(int64_t rows, int64_t k);
 // linear_int8_cpu.cpp: y = x (scale * w)^T (+ bias) with w int8 [N, K] (symmetric, per output channel:
 // row n of the real weight is scale[n] * w[n]), scale fp32 [N], wsum int32 [N] = sum_k w[n, k]
 void linear_int8_(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
