@@ -442,11 +442,11 @@ void gemm_linear(BF* out, int64_t so, const BF* x, int64_t sx, const BF* w, cons
 
 // ---- the decode path: a few rows of x against the whole of W -------------------------------------
 //
-// At decode batch sizes (5-20 rows) the GEMM above has one or two vectors of 8 rows of x per tile, so
-// each broadcast value of W (widened by one shift or mask) feeds only one or two FMAs, and the
-// widening binds before the FMAs do. Here W is read in its own row order as vectors of 16 values,
-// widened once (two ops) and multiplied into MT rows of x, so one widening feeds MT FMAs (x is widened
-// to fp32 once per call, [M][K/16][even 8 | odd 8]). Each (row of W, row of x) keeps an accumulator
+// At decode batch sizes (5-16 rows, and the 1-8 rows a larger call leaves past its whole panels) the
+// GEMM above has one or two vectors of 8 rows of x per tile, so each broadcast value of W (widened by
+// one shift or mask) feeds only one or two FMAs, and the widening binds before the FMAs do. Here W is
+// read in its own row order as vectors of 16 values, widened once (two ops) and multiplied into MT
+// rows of x, so one widening feeds MT FMAs (x is widened to fp32 once per call, widen_rows). Each (row of W, row of x) keeps an accumulator
 // vector of 8 partial sums, summed across its lanes at the end, as tile<> does above. K runs in blocks
 // whose rows of x stay in L1 while every row of the thread's W passes; the accumulators go to a scratch
 // buffer between blocks (fp32, exactly), so the block size changes no bit of the result, and neither
