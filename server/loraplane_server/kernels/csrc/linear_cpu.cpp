@@ -37,9 +37,7 @@
 // value of W per panel, so a panel of one vector of x (8 rows) runs at a quarter of a full one's
 // speed: a third path, for decode batches, takes 5-16 rows, and the last 1-8 rows of a larger call
 // that is not a whole number of panels (gemm_head). It widens x once per call and reads W as vectors
-// of 16 values, each widened once for 3 rows of x (dot_linear). Measured A/B on a Zen 3 (Llama-3.2-1B's
-// projections, 2 threads): 5 rows 23 -> 65 GFLOPS, 8 rows 36 -> 85, 28 rows 74 -> 117, 32 rows 84 ->
-// 117; 12-24 and 40 rows within noise.
+// of 16 values, each widened once for 3 rows of x (dot_linear).
 //
 // Which path computes a row depends on the call's row count (linear_gemm_rows says), so a row's bits
 // may change with the batch size; within one path they never depend on the other rows.
@@ -471,16 +469,16 @@ void widen_rows(float* xw, const BF* x, int64_t sx, int64_t M, int64_t K, int64_
 }
 
 // acc[r][j] += w[r][16 s0 .. 16 s1) . x[j][same] for R rows of W (row stride K) and MT rows of x
-// (widened: the block's rows from step s0 on, xs floats apart); acc is [R][MT] vectors in memory,
-// loaded and stored once.
+// (widened: the block's rows from step s0 on, xs floats apart); acc_io[r * M + j] holds acc[r][j] in
+// memory, loaded and stored once.
 template <int R, int MT>
-__attribute__((noinline)) void dot_tile(__m256* acc_io, const float* xw, int64_t xs, const BF* w, int64_t K, int64_t s0,
-                                        int64_t s1) {
+__attribute__((noinline)) void dot_tile(__m256* acc_io, int64_t M, const float* xw, int64_t xs, const BF* w, int64_t K,
+                                        int64_t s0, int64_t s1) {
   __m256 acc[R][MT];
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
-    for (int j = 0; j < MT; ++j) acc[r][j] = _mm256_loadu_ps(reinterpret_cast<const float*>(acc_io + r * MT + j));
+    for (int j = 0; j < MT; ++j) acc[r][j] = _mm256_loadu_ps(reinterpret_cast<const float*>(acc_io + r * M + j));
   const int64_t whole = std::min(s1, K / 16);  // steps with 16 values of W in the row
   for (int64_t s = s0; s < s1; ++s) {
     const BF* ws = w + 16 * s;
@@ -509,10 +507,10 @@ __attribute__((noinline)) void dot_tile(__m256* acc_io, const float* xw, int64_t
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
-    for (int j = 0; j < MT; ++j) _mm256_storeu_ps(reinterpret_cast<float*>(acc_io + r * MT + j), acc[r][j]);
+    for (int j = 0; j < MT; ++j) _mm256_storeu_ps(reinterpret_cast<float*>(acc_io + r * M + j), acc[r][j]);
 }
 
-// R rows of W against all M rows of x, MT (or fewer, for the last) at a time; acc [R][M] vectors.
+// R rows of W against all M rows of x, kDotXRows (or fewer) at a time; acc [R][M] vectors.
 // Rows of x per tile from row m on: kDotXRows, but a last row left alone (M = 3q + 1) goes with the
 // three before it as 2 + 2 (a one-row tile widens W for a single FMA).
 inline int64_t dot_x_rows(int64_t m, int64_t M) {
@@ -525,9 +523,9 @@ void dot_rows(__m256* acc, const float* xw, int64_t xs, const BF* w, int64_t M, 
   for (int64_t m = 0; m < M;) {
     const int64_t mt = dot_x_rows(m, M);
     switch (mt) {
-      case 3: dot_tile<R, 3>(acc + m * R, xw + m * xs, xs, w, K, s0, s1); break;
-      case 2: dot_tile<R, 2>(acc + m * R, xw + m * xs, xs, w, K, s0, s1); break;
-      default: dot_tile<R, 1>(acc + m * R, xw + m * xs, xs, w, K, s0, s1); break;
+      case 3: dot_tile<R, 3>(acc + m, M, xw + m * xs, xs, w, K, s0, s1); break;
+      case 2: dot_tile<R, 2>(acc + m, M, xw + m * xs, xs, w, K, s0, s1); break;
+      default: dot_tile<R, 1>(acc + m, M, xw + m * xs, xs, w, K, s0, s1); break;
     }
     m += mt;
   }
@@ -560,20 +558,12 @@ void dot_linear(BF* out, int64_t so, const BF* x, int64_t sx, const BF* w, const
         }
         for (; r < rows; ++r) dot_rows<1>(acc.get() + r * M, xb, xs, w + (n0 + r) * K, M, K, s0, s1);
       }
-      // acc holds, per tile of R rows of W, [R][MT] vectors for each MT rows of x: find (r, m)'s
-      for (int64_t r = 0; r < rows; ++r) {
-        const bool tiled = r < rows / kDotWRows * kDotWRows;  // in a tile of kDotWRows rows, or a single one
-        const int64_t r0 = tiled ? r / kDotWRows * kDotWRows : r, R = tiled ? kDotWRows : 1;
-        for (int64_t m0 = 0; m0 < M;) {
-          const int64_t mt = dot_x_rows(m0, M);
-          for (int64_t m = m0; m < m0 + mt; ++m) {
-            float v = v2::hsum(acc[r0 * M + m0 * R + (r - r0) * mt + (m - m0)]);
-            if (bias != nullptr) v += static_cast<float>(bias[n0 + r]);
-            out[m * so + n0 + r] = BF(v);
-          }
-          m0 += mt;
+      for (int64_t r = 0; r < rows; ++r)  // acc [rows][M]: (row of W, row of x)
+        for (int64_t m = 0; m < M; ++m) {
+          float v = v2::hsum(acc[r * M + m]);
+          if (bias != nullptr) v += static_cast<float>(bias[n0 + r]);
+          out[m * so + n0 + r] = BF(v);
         }
-      }
     }
   });
 }
