@@ -235,6 +235,7 @@ def test_a_4mb_prompt_is_tokenized_off_the_event_loop(server: ServerProcess, pat
         result["r"] = httpx.post(f"{server.url}{path}", content=payload, headers=headers, timeout=120)
 
     sender = threading.Thread(target=send)
+    begun = time.monotonic()
     sender.start()
     latencies = []
     with httpx.Client(timeout=30) as client:
@@ -244,10 +245,14 @@ def test_a_4mb_prompt_is_tokenized_off_the_event_loop(server: ServerProcess, pat
             latencies.append(time.monotonic() - start)
             time.sleep(0.05)
     sender.join()
+    elapsed = time.monotonic() - begun
     r = result["r"]
     assert r.status_code == 400 and "context is 64 tokens" in r.text, r.text  # tokenized (~930k tokens), refused
     assert len(latencies) >= 5, latencies  # /health was asked all along the tokenization (seconds)
-    assert max(latencies) < 0.5, latencies
+    # On the event loop the tokenization would hold one /health for about all of `elapsed`; off it, the longest
+    # wait is the few moments the worker holds the GIL (building the ~930k-id list: ~0.1 s here, 0.7 s seen on
+    # a loaded 2-core CI machine), so the bound is a fraction of the whole rather than a fixed time.
+    assert max(latencies) < elapsed / 4, (elapsed, latencies)
 
 
 def _string_leaves(value: object, found: list[tuple[object, object]]) -> list[tuple[object, object]]:
