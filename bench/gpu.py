@@ -957,6 +957,40 @@ def multi_lora_setup(run: Run, name: str, names: list[str]) -> dict:
     out["max_loras"] = engine.config.max_loras
     out["prewarm_host_seconds"] = round(wait_adapters(engine, names, "host", 300), 2)
     timed_workload(engine, run.device, prompts(run.pool, 4, 16, "warm"), [names[0], names[1], None, None], 4)
+    out["slot_load"] = run.guarded(partial(slot_load, run, engine, names[0]))
+    return out
+
+
+def slot_load(run: Run, engine: LLMEngine, adapter_id: str, repeats: int = 5) -> dict:
+    """One adapter into a device slot, two ways: the host tier's weights (one buffer, page-locked on CUDA: one
+    asynchronous transfer, then copies on the device) and the same tensors as separate pageable ones (a synchronous
+    copy per layer and module, as slots loaded before). host_ms: until load() returns (what the engine's step
+    waits for); done_ms: until the device holds them. Into a spare one-slot LoRASlots: the engine's stay as they
+    are. Medians of `repeats` after one warm-up."""
+    from dataclasses import replace
+
+    from loraplane_server.executor.lora.slots import LoRASlots
+
+    weights = engine.adapters.manager.weights(adapter_id)
+    model = engine.runner.model
+    spare = LoRASlots(
+        model.lora_shapes(), model.args.num_layers, 1, engine.config.max_lora_rank, engine.dtype, run.device
+    )
+    pageable = replace(weights, tensors={k: (a.clone(), b.clone()) for k, (a, b) in weights.tensors.items()}, flat=None)
+    flat = weights.flat
+    out: dict = {"adapter_mb": round(weights.nbytes / 1e6, 2), "pinned": flat is not None and flat.is_pinned()}
+    for label, w in (("one_transfer", weights), ("per_tensor_pageable", pageable)):
+        host, done = [], []
+        for i in range(repeats + 1):
+            sync(run.device)
+            start = time.perf_counter()
+            spare.load(0, w)
+            returned = time.perf_counter()
+            sync(run.device)
+            if i:
+                host.append(1000 * (returned - start))
+                done.append(1000 * (time.perf_counter() - start))
+        out[label] = {"host_ms": round(statistics.median(host), 3), "done_ms": round(statistics.median(done), 3)}
     return out
 
 

@@ -242,3 +242,21 @@ def test_the_gpu_test_files_import_without_the_absent_packages() -> None:
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert "error" not in proc.stdout.lower().splitlines()[-1], proc.stdout[-2000:]
+
+
+def test_slot_load_times_both_ways_into_a_spare_slot(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """multi_lora's slot-load record on the CPU: both ways timed, the engine's own slots left as they were."""
+    from engine_helpers import make_engine, run_all
+
+    from lora_helpers import make_peft_adapter
+
+    make_peft_adapter(tiny_llama_dir, tmp_path / "adapters" / "a", seed=1, r=4, target_modules=["q_proj", "v_proj"])
+    engine = make_engine(tiny_llama_dir, adapter_dir=str(tmp_path / "adapters"), disk_cache_dir=str(tmp_path / "dc"))
+    engine.add_request([1, 2, 3], SamplingParams(max_new_tokens=2, temperature=0.0), adapter_id="a")
+    run_all(engine, check_errors=True)
+    before = {kind: t.clone() for kind, t in engine.lora_slots.a.items()}
+    record = gpu.slot_load(SimpleNamespace(device=torch.device("cpu")), engine, "a", repeats=2)  # type: ignore[arg-type]
+    assert record["adapter_mb"] > 0 and record["pinned"] is False
+    for way in ("one_transfer", "per_tensor_pageable"):
+        assert 0 < record[way]["host_ms"] <= record[way]["done_ms"], record
+    assert all(torch.equal(engine.lora_slots.a[kind], t) for kind, t in before.items())

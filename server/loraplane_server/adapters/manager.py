@@ -78,8 +78,12 @@ class AdapterManager:
         adapter_dir: Path | None = None,
         num_workers: int = 2,
         source_allow: list[str] | None = None,
+        pin_host: bool = False,
     ) -> None:
+        """pin_host: hold the host tier's weights in page-locked memory (an engine on CUDA: a device slot then
+        takes an adapter in one asynchronous transfer, adapters/weights.py's load_lora)."""
         self.model_args = model_args
+        self.pin_host = pin_host
         self.dtype = dtype
         self.max_rank = max_rank
         self.host_max_bytes = host_max_bytes
@@ -264,14 +268,14 @@ class AdapterManager:
         with self._lock:
             remote = self.records[adapter_id].source.kind != "local"
         if not remote:
-            return load_lora(path, adapter_id, self.model_args, self.max_rank, self.dtype)
+            return load_lora(path, adapter_id, self.model_args, self.max_rank, self.dtype, self.pin_host)
         try:
             self.disk.pin(adapter_id)
         except KeyError:  # evicted between fetch and read: fetch again
             path = self._materialise(adapter_id)
             self.disk.pin(adapter_id)
         try:
-            return load_lora(path, adapter_id, self.model_args, self.max_rank, self.dtype)
+            return load_lora(path, adapter_id, self.model_args, self.max_rank, self.dtype, self.pin_host)
         finally:
             self.disk.unpin(adapter_id)
 

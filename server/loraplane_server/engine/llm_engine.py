@@ -166,6 +166,7 @@ class LLMEngine:
             config.host_cache_bytes,
             DiskCache(Path(config.disk_cache_dir or cache_root() / "adapters"), config.disk_cache_bytes),
             Path(config.adapter_dir) if config.adapter_dir else None,
+            pin_host=self.device.type == "cuda",
         )
         self.slots = SlotTable(config.max_loras)
         self.scheduler = Scheduler(

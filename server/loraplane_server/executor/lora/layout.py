@@ -40,7 +40,8 @@ class LoRALayer(Protocol):
 
 
 class AdapterTensors(Protocol):
-    """An adapter's weights as a slot loads them (adapters/weights.py's LoRAWeights)."""
+    """An adapter's weights as a slot loads them (adapters/weights.py's LoRAWeights; where it also has a `flat`
+    buffer that every tensor is a view of, LoRASlots moves that buffer to the device in one transfer)."""
 
     @property
     def adapter_id(self) -> str: ...

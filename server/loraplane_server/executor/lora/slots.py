@@ -16,7 +16,7 @@ A decode row then reads its adapter in one ~30 KB run (q and v at rank 8) instea
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import torch
 
@@ -39,6 +39,7 @@ class LoRASlots:
     ) -> None:
         self.num_slots = num_slots
         self.none_slot = num_slots
+        self.device = torch.device(device)
         self.max_rank = max_rank
         self.layouts: dict[str, LayerShape] = {shape.kind: shape for shape in shapes}
         self.a: dict[str, torch.Tensor] = {}
@@ -88,10 +89,14 @@ class LoRASlots:
         raise KeyError(module)
 
     def load(self, slot: int, weights: AdapterTensors) -> None:
-        """Copy an adapter's weights into slot (replacing whatever was there)."""
+        """Copy an adapter's weights into slot (replacing whatever was there). Weights held in one host buffer
+        (`flat`) reach a dense slot on another device in one transfer of it, then copies there."""
         self.clear(slot)
         r = weights.rank
-        for (layer, module), (a, b) in weights.tensors.items():
+        tensors = weights.tensors
+        if self.packed is None:
+            tensors = on_device(weights, self.device)
+        for (layer, module), (a, b) in tensors.items():
             kind, p = self.kind_of(module)
             lo, hi = self.layouts[kind].slices[module]
             rank = a.shape[0]
@@ -131,3 +136,23 @@ class LoRASlots:
             self.rows[kind][:, slot].zero_()
         self.widths[slot] = {}
         self.adapter_in[slot] = None
+
+
+def on_device(
+    weights: AdapterTensors, device: torch.device
+) -> Mapping[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+    """weights.tensors, on `device`: with a `flat` buffer elsewhere, that buffer moved in one transfer
+    (asynchronous from page-locked memory) and each pair the same view of the copy; else as they are."""
+    flat = getattr(weights, "flat", None)
+    if flat is None or flat.device == device:
+        return weights.tensors
+    moved = flat.to(device, non_blocking=flat.is_pinned())
+    base, size = flat.data_ptr(), flat.element_size()
+
+    def view(t: torch.Tensor) -> torch.Tensor:
+        start = (t.data_ptr() - base) // size
+        if not t.is_contiguous() or start < 0 or start + t.numel() > flat.numel():
+            raise ValueError(f"adapter {weights.adapter_id}: a tensor is not a view of its flat buffer")
+        return moved[start : start + t.numel()].view(t.shape)
+
+    return {key: (view(a), view(b)) for key, (a, b) in weights.tensors.items()}
