@@ -96,6 +96,7 @@ SHAPE_TARGET_LATENCY = {"llama.cpp": 1.0}
 SHAPE_TARGET_LORA_VS_BASE = 0.85
 SHAPE_TARGET_CEILING_FRACTION = 0.6
 BUILTIN = "builtin"
+PEER_SHAPES = ("llama-3.2-1b", "smollm2-1.7b", "qwen2.5-3b")  # gpu_models.REAL_SHAPES a 2-core CPU runs (not the 8B)
 GGUF_TYPES = {"bfloat16": "bf16", "float32": "f32"}  # our dtype -> llama.cpp's converter --outtype
 PRECISIONS = ("bf16", "int8")
 LLAMA_CPP_PACKAGE = "llama-cpp-python"
@@ -611,14 +612,16 @@ def machine_rates(dtype_name: str, shapes: list[tuple[int, int]], int8: bool = F
 
 
 def model_sizes(model_dir: Path) -> dict[str, int]:
-    """Parameter counts from config.json: the decoder's linear layers and the lm_head (SmolLM2 ties it to the
-    embedding, so a decode step reads it as well)."""
-    c = json.loads((model_dir / "config.json").read_text())
-    h, inter, layers = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
-    head_dim = c.get("head_dim") or h // c["num_attention_heads"]
-    kv = c.get("num_key_value_heads", c["num_attention_heads"]) * head_dim
-    per_layer = h * c["num_attention_heads"] * head_dim * 2 + 2 * h * kv + 3 * h * inter
-    return {"linear_params": layers * per_layer, "lm_head_params": c["vocab_size"] * h}
+    """Parameter counts from config.json, through the engine's own module shapes: the decoder's linear layers
+    and the lm_head (SmolLM2 ties it to the embedding, so a decode step reads it as well)."""
+    from loraplane_server.adapters.weights import module_shapes
+    from loraplane_server.executor.models.args import TARGET_MODULES
+    from loraplane_server.executor.models.registry import model_args
+
+    args = model_args(json.loads((model_dir / "config.json").read_text()))
+    dims = module_shapes(args)  # name -> (in, out); the fused names (Phi-3's) left out
+    per_layer = sum(dims[name][0] * dims[name][1] for name in TARGET_MODULES)
+    return {"linear_params": args.num_layers * per_layer, "lm_head_params": args.vocab_size * args.hidden_size}
 
 
 def matmul_shapes(model_dir: Path) -> list[tuple[int, int]]:
@@ -979,7 +982,7 @@ def main() -> None:
     )
     parser.add_argument(
         "--shape", default=BUILTIN, help="builtin (SmolLM2-135M) or a random-weight model of a real config: "
-        "llama-3.2-1b, smollm2-1.7b, qwen2.5-3b (written once under the cache)"
+        f"{', '.join(PEER_SHAPES)} (written once under the cache)"
     )  # fmt: skip
     parser.add_argument("--precision", choices=PRECISIONS, default="bf16", help="int8: ours int8 vs llama.cpp Q8_0")
     parser.add_argument("--targets", choices=("attention", "all"), default="attention",
@@ -989,7 +992,7 @@ def main() -> None:
     parser.add_argument("--num-adapters", type=int, default=0, help="adapters (default: the workload's)")
     parser.add_argument("--install-only", action="store_true", help="install vLLM and build llama.cpp; no run")
     args = parser.parse_args()
-    shapes = (BUILTIN, "llama-3.2-1b", "smollm2-1.7b", "qwen2.5-3b")
+    shapes = (BUILTIN, *PEER_SHAPES)
     if args.shape not in shapes:
         parser.error(f"unknown shape {args.shape!r}; choose from {shapes}")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the servers are stopped on the way out

@@ -36,6 +36,17 @@ def test_cpu_record_shapes_are_the_published_models() -> None:
     qwen = shapes["qwen2.5-3b"].config()
     assert qwen["architectures"] == ["Qwen2ForCausalLM"] and qwen["use_sliding_window"] is False
     assert shapes["smollm2-1.7b"].config()["num_key_value_heads"] == 32  # SmolLM2-1.7B has no GQA
+    assert set(peers.PEER_SHAPES) <= set(shapes)  # --shape's names are written by gpu_models
+
+
+def test_model_sizes_count_what_the_shape_counts(tmp_path: Path) -> None:
+    """peers.model_sizes (from a config.json) against gpu_models' own count of the same shape: the linears and
+    the lm_head are the parameters less the embedding (tied here), norms and biases."""
+    shape = gpu_models.REAL_SHAPES["smollm2-1.7b"]
+    (tmp_path / "config.json").write_text(json.dumps(shape.config()))
+    sizes = peers.model_sizes(tmp_path)
+    norms = shape.num_layers * 2 * shape.hidden_size + shape.hidden_size
+    assert sizes["linear_params"] + sizes["lm_head_params"] + norms == shape.num_params()
 
 
 def tokenizer_dir() -> Path:
