@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from lora_helpers import make_peft_adapter
-from loraplane_server.adapters.weights import LoRAWeights, load_lora
+from loraplane_server.adapters.weights import LoRAWeights, load_lora, pinned_block_bytes
 from loraplane_server.executor.lora.slots import LoRASlots, on_device
 from loraplane_server.executor.models.loader import load_model, read_config
 from loraplane_server.executor.models.registry import model_args
@@ -49,6 +49,11 @@ def test_every_tensor_is_a_view_of_one_buffer_holding_the_files_values(tiny_llam
         assert torch.equal(a, raw[key % "A"])
         assert torch.equal(b, raw[key % "B"] * scale)
     assert len(starts) == 2 * len(weights.tensors)  # no two tensors share a place
+    assert weights.nbytes == flat.numel() * 4  # pageable: what the tensors hold
+
+
+def test_pinned_blocks_are_counted_as_the_allocator_rounds_them() -> None:
+    assert [pinned_block_bytes(n) for n in (1, 4096, 4097, 27_000_000, 1 << 25)] == [1, 4096, 8192, 1 << 25, 1 << 25]
 
 
 def test_a_moved_buffer_gives_each_tensor_its_own_place(tiny_llama_dir: Path, adapter: Path) -> None:
@@ -79,6 +84,7 @@ def _slots(tiny_llama_dir: Path, device: torch.device) -> LoRASlots:
 def test_a_slot_loaded_from_pinned_weights_equals_the_cpu_slot(tiny_llama_dir: Path, adapter: Path) -> None:
     pinned = _weights(tiny_llama_dir, adapter, pin=True)
     assert pinned.flat is not None and pinned.flat.is_pinned()
+    assert pinned.nbytes == pinned_block_bytes(pinned.flat.numel() * 4)  # the host tier counts the pinned block
     on_gpu, on_cpu = _slots(tiny_llama_dir, torch.device("cuda")), _slots(tiny_llama_dir, torch.device("cpu"))
     on_gpu.load(1, pinned)
     on_cpu.load(1, _weights(tiny_llama_dir, adapter))

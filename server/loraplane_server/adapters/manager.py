@@ -81,7 +81,8 @@ class AdapterManager:
         pin_host: bool = False,
     ) -> None:
         """pin_host: hold the host tier's weights in page-locked memory (an engine on CUDA: a device slot then
-        takes an adapter in one asynchronous transfer, adapters/weights.py's load_lora)."""
+        takes an adapter in one asynchronous transfer, adapters/weights.py's load_lora); the host budget then counts
+        each adapter at its page-locked block's size (LoRAWeights.nbytes)."""
         self.model_args = model_args
         self.pin_host = pin_host
         self.dtype = dtype

@@ -62,7 +62,16 @@ class LoRAWeights:
 
     @property
     def nbytes(self) -> int:
+        """The host memory it holds, as the host tier counts it: a page-locked buffer as torch's pinned allocator
+        sizes its block (rounded up to a power of two, the default of its pinned_max_round_threshold)."""
+        if self.flat is not None and self.flat.is_pinned():
+            return pinned_block_bytes(self.flat.numel() * self.flat.element_size())
         return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.tensors.values())
+
+
+def pinned_block_bytes(size: int) -> int:
+    """The block torch's caching host allocator takes for `size` page-locked bytes: the next power of two."""
+    return 1 << max(0, size - 1).bit_length()
 
 
 def module_shapes(args: ModelArgs) -> dict[str, tuple[int, int]]:
