@@ -373,7 +373,10 @@ def ours_tokens(engine: LLMEngine, reqs: list[tuple[list[int], str | None]], new
 def timed_workload(
     engine: LLMEngine, device: torch.device, batch: list[list[int]], adapters: Sequence[str | None], new: int
 ) -> dict:
-    """Every request at once, stepped to the end: generated tokens/s over the whole wall time."""
+    """Every request at once, stepped to the end: generated tokens/s over the whole wall time, and how many
+    device slot loads the run made."""
+    loads = engine.adapters.manager.stats.loads
+    slot_loads = loads["device"]
     sync(device)
     start = time.perf_counter()
     for prompt, adapter in zip(batch, adapters, strict=True):
@@ -389,6 +392,7 @@ def timed_workload(
         "requests": len(batch),
         "seconds": round(seconds, 3),
         "steps": steps,
+        "slot_loads": loads["device"] - slot_loads,
         "generated_tokens": generated,
         "tokens_per_s": round(generated / seconds, 1),
         "total_tokens_per_s": round((generated + prompt_tokens) / seconds, 1),

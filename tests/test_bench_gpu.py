@@ -245,12 +245,14 @@ def test_the_gpu_test_files_import_without_the_absent_packages() -> None:
 
 
 def test_slot_load_times_both_ways_into_a_spare_slot(tiny_llama_dir: Path, tmp_path: Path) -> None:
-    """multi_lora's slot-load record on the CPU: both ways timed, the engine's own slots left as they were."""
+    """multi_lora's slot-load record on the CPU: both ways timed, the engine's own slots left as they were; a
+    workload's count of slot loads."""
     from engine_helpers import make_engine, run_all
 
     from lora_helpers import make_peft_adapter
 
-    make_peft_adapter(tiny_llama_dir, tmp_path / "adapters" / "a", seed=1, r=4, target_modules=["q_proj", "v_proj"])
+    for seed, name in enumerate(("a", "b")):
+        make_peft_adapter(tiny_llama_dir, tmp_path / "adapters" / name, seed=seed, r=4, target_modules=["q_proj"])
     engine = make_engine(tiny_llama_dir, adapter_dir=str(tmp_path / "adapters"), disk_cache_dir=str(tmp_path / "dc"))
     engine.add_request([1, 2, 3], SamplingParams(max_new_tokens=2, temperature=0.0), adapter_id="a")
     run_all(engine, check_errors=True)
@@ -260,3 +262,5 @@ def test_slot_load_times_both_ways_into_a_spare_slot(tiny_llama_dir: Path, tmp_p
     for way in ("one_transfer", "per_tensor_pageable"):
         assert 0 < record[way]["host_ms"] <= record[way]["done_ms"], record
     assert all(torch.equal(engine.lora_slots.a[kind], t) for kind, t in before.items())
+    run = gpu.timed_workload(engine, torch.device("cpu"), [[4, 5, 6], [7, 8]], ["b", "a"], 2)
+    assert run["slot_loads"] == 1 and run["generated_tokens"] == 4  # b took a slot; a already held one
