@@ -35,7 +35,7 @@ def test_every_tensor_is_a_view_of_one_buffer_holding_the_files_values(tiny_llam
     weights = _weights(tiny_llama_dir, adapter)
     flat = weights.flat
     assert flat is not None and flat.dtype == torch.float32 and not flat.is_pinned()
-    assert flat.numel() == sum(a.numel() + b.numel() for a, b in weights.tensors.values())
+    assert flat.numel() == sum(a.numel() + b.numel() for a, b in weights.tensors.values())  # nothing shared here
     raw = load_file(str(adapter / "adapter_model.safetensors"))
     cfg = json.loads((adapter / "adapter_config.json").read_text())
     scale = cfg["lora_alpha"] / cfg["r"]

@@ -62,10 +62,12 @@ class LoRAWeights:
 
     @property
     def nbytes(self) -> int:
-        """The host memory it holds, as the host tier counts it: a page-locked buffer as torch's pinned allocator
-        sizes its block (rounded up to a power of two, the default of its pinned_max_round_threshold)."""
-        if self.flat is not None and self.flat.is_pinned():
-            return pinned_block_bytes(self.flat.numel() * self.flat.element_size())
+        """The host memory it holds, as the host tier counts it: its buffer (a tensor shared by several modules
+        once), a page-locked one as torch's pinned allocator sizes its block (rounded up to a power of two, the
+        default of its pinned_max_round_threshold)."""
+        if self.flat is not None:
+            size = self.flat.numel() * self.flat.element_size()
+            return pinned_block_bytes(size) if self.flat.is_pinned() else size
         return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.tensors.values())
 
 
@@ -272,19 +274,15 @@ def _in_one_buffer(
     pageable memory synchronizes its stream first) nor stages through a bounce buffer, instead of one
     synchronous copy per layer and module (256 for q, k, v and o on 32 layers). torch's pinned allocator
     keeps the buffer's block until such a copy has completed, so evicting the adapter meanwhile is safe."""
-    total = sum(a.numel() + b.numel() for a, b in tensors.values())
-    flat = torch.empty(total, dtype=dtype, pin_memory=pin)
-    views: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+    unique = {id(t): t for pair in tensors.values() for t in pair}  # a fused module's projections share one A
+    flat = torch.empty(sum(t.numel() for t in unique.values()), dtype=dtype, pin_memory=pin)
+    placed: dict[int, torch.Tensor] = {}
     offset = 0
-    for key, pair in tensors.items():
-        viewed = []
-        for t in pair:
-            view = flat[offset : offset + t.numel()].view(t.shape)
-            view.copy_(t)
-            viewed.append(view)
-            offset += t.numel()
-        views[key] = (viewed[0], viewed[1])
-    return flat, views
+    for key, t in unique.items():
+        placed[key] = flat[offset : offset + t.numel()].view(t.shape)
+        placed[key].copy_(t)
+        offset += t.numel()
+    return flat, {key: (placed[id(a)], placed[id(b)]) for key, (a, b) in tensors.items()}
 
 
 def _check_fused(module: str, key: str, args: ModelArgs) -> None:
