@@ -203,3 +203,41 @@ def test_random_byte_tokens_and_stops_match_a_full_decode_cut_at_the_first_stop(
             shown = "".join(pieces[:n])
             assert expected.startswith(shown), (tokens, stops, n)
         assert (text, stopped) == (expected, hit), (tokens, stops)
+
+
+def wordpiece_tokenizer() -> object:
+    """A WordPiece tokenizer (BERT's kind) built here, whose decode transformers cleans up (" ," -> ",")."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(["[UNK]", "[CLS]", "[SEP]", "hello", ",", "world", "!", "do", "n't", "'s"])}
+    backend = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    backend.decoder = decoders.WordPiece(cleanup=False)  # the spaces before punctuation left to transformers
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="[UNK]", cls_token="[CLS]", sep_token="[SEP]",
+        clean_up_tokenization_spaces=True,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("clean_up", [False, True])
+def test_the_engines_decoder_equals_transformers_decode(smollm2_dir: Path, clean_up: bool) -> None:
+    """decoder_for's fast path (the Rust decode alone) gives tokenizer.decode(ids, skip_special_tokens=True)'s text
+    on SmolLM2's byte-level BPE, special tokens and cut characters included, whether or not the tokenizer asks for
+    clean-up (transformers skips it for BPE); on a WordPiece tokenizer that cleans up, it keeps transformers' text."""
+    from loraplane_server.detokenizer import decoder_for
+
+    tok = AutoTokenizer.from_pretrained(str(smollm2_dir))
+    tok.clean_up_tokenization_spaces = clean_up
+    decode = decoder_for(tok)
+    rng = random.Random(5)
+    specials = list(tok.all_special_ids)
+    cases = [tok.encode(t) for t in TEXTS] + [[rng.randrange(len(tok)) for _ in range(20)] for _ in range(200)]
+    cases += [[*c[:3], *specials, *c[3:]] for c in cases[:20]] + [[]]
+    for ids in cases:
+        assert decode(ids) == tok.decode(ids, skip_special_tokens=True), ids
+    wordpiece = wordpiece_tokenizer()
+    ids = wordpiece.encode("hello, world!", add_special_tokens=True)  # type: ignore[attr-defined]
+    expected = wordpiece.decode(ids, skip_special_tokens=True)  # type: ignore[attr-defined]
+    assert expected != wordpiece._tokenizer.decode(ids, skip_special_tokens=True)  # type: ignore[attr-defined]
+    assert decoder_for(wordpiece)(ids) == expected

@@ -20,11 +20,34 @@ tokenizer rewrote text already shown: a delta is never taken back). Each step co
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 REPLACEMENT = "\ufffd"
 CONTEXT_TOKENS = 4  # left context kept after a full re-decode
 
 Decode = Callable[[list[int]], str]
+
+
+def decoder_for(tokenizer: Any) -> Decode:
+    """ids -> text as `tokenizer.decode(ids, skip_special_tokens=True)` gives it, through the Rust tokenizer's own
+    decode where that is all transformers would do: transformers' wrapper turns its argument into Python objects
+    and checks for a batch on every call, 3-4x the decode itself, and the engine decodes once or twice per token
+    of every running request each step (a 256-row step: ~500 calls). Where transformers would clean up the
+    text's spaces afterwards (a WordPiece tokenizer with clean_up_tokenization_spaces), its decode is kept."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if backend is None or not hasattr(backend, "decode") or _cleans_up(tokenizer, backend):
+        return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+    decode = backend.decode
+    return lambda ids: decode(ids, skip_special_tokens=True)
+
+
+def _cleans_up(tokenizer: Any, backend: Any) -> bool:
+    """Whether transformers' decode edits the backend's text (its clean_up_tokenization, which it skips for a BPE
+    model unless forced)."""
+    if not getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return False
+    forced = getattr(tokenizer, "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output", False)
+    return type(backend.model).__name__ != "BPE" or bool(forced)
 
 
 class IncrementalText:

@@ -212,6 +212,22 @@ def test_slot_minus_one_reads_and_writes_nothing():
     torch.testing.assert_close(y, want, **FP32_TOL)
 
 
+def test_expand_leaves_the_rows_of_a_rank_0_slot_bit_for_bit():
+    """A slot whose adapter does not target the layer kind (rank 0 there, as a decode graph runs every kind) leaves
+    its rows' y as they were, bit for bit: -0.0 stays -0.0 (y + 0.0 would give +0.0), where a rank-4 slot's rows
+    change."""
+    gen = torch.Generator().manual_seed(6)
+    ranks, num_out = [0, 4], 40
+    _, b = make_stacks(ranks, 16, 8, num_out, torch.float32, gen)
+    h = torch.randn(8, 16, generator=gen).to(DEVICE)
+    y = torch.randn(8, num_out, generator=gen).to(DEVICE)
+    y[:4, ::2] = -0.0
+    before = y.clone()
+    sgmv_expand(h, b, *segment_tensors([(0, 1, 0), (1, 1, 0), (2, 2, 0), (4, 4, 1)]), int32(ranks), y, 0)
+    assert torch.equal(y[:4].view(torch.int32), before[:4].view(torch.int32))
+    assert (y[4:] != before[4:]).all()
+
+
 # shrink then expand, as a LoRA layer runs them
 
 

@@ -21,6 +21,7 @@ from loraplane_server.adapters.manager import AdapterManager
 from loraplane_server.adapters.orchestrator import AdapterOrchestrator
 from loraplane_server.adapters.slot_table import SlotTable
 from loraplane_server.config import CPU_KV_CACHE_BYTES, EngineConfig
+from loraplane_server.detokenizer import decoder_for
 from loraplane_server.engine.block_manager import BlockManager, peak_blocks
 from loraplane_server.engine.input_processor import CheckedPrompt, InputProcessor
 from loraplane_server.engine.kv_groups import HybridBlocks
@@ -204,6 +205,7 @@ class LLMEngine:
         log.info("engine: %s", self.describe())
         phase("loading the tokenizer")
         self.tokenizer = tokenizer if draft_dir is not None else _load_tokenizer(self.model_dir)
+        self._decode = decoder_for(self.tokenizer) if self.tokenizer is not None else None
         self.eos_token_ids = _eos_ids(self.model_dir, hf_config)
         # structured output: one compiler per engine, over the logits' width (the lm_head's, maybe past the tokenizer)
         self.grammars = None
@@ -572,7 +574,7 @@ class LLMEngine:
         )
 
     def decode(self, token_ids: list[int]) -> str:
-        return "" if self.tokenizer is None else self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        return "" if self._decode is None else self._decode(token_ids)
 
     # blocking API
     def generate(

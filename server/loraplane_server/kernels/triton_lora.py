@@ -143,6 +143,8 @@ def _expand_kernel(
     if (slot < 0) | (t0 >= seg_len):
         return
     rank = tl.load(ranks_ptr + slot)
+    if rank == 0:  # the slot's adapter does not target this layer kind (a decode graph runs every kind): y as it is
+        return
     rows = tl.load(starts_ptr + seg).to(tl.int64) + t0 + tl.arange(0, BLOCK_T)  # [BT]
     row_mask = (t0 + tl.arange(0, BLOCK_T)) < seg_len
     offs_o = o0 + tl.arange(0, BLOCK_OUT)  # [BO]
@@ -269,7 +271,8 @@ def sgmv_expand(
 
     h [T, R] float32 (from sgmv_shrink); b_stack [S, OUT, R] with the scale folded in, zero-padded;
     segments and ranks as in sgmv_shrink; y [T, Y] any float dtype, accumulated in fp32. Other columns,
-    rows outside every segment and rows of slot -1 are left untouched.
+    rows outside every segment and rows of slot -1 or of a slot of rank 0 are left untouched (not read or
+    written: a decode graph's layer kinds that no resident adapter targets cost their programs' start alone).
     """
     _check_segments(seg_starts, seg_lens, seg_slots)
     num_rows, num_r = h.shape
