@@ -10,6 +10,7 @@ from engine_helpers import make_engine, run_all
 
 from loraplane_server.engine.llm_engine import LLMEngine
 from loraplane_server.executor.cuda_graphs import MAX_GRAPH_BATCH, graph_batch_sizes, graph_bucket, is_plain_decode
+from loraplane_server.executor.lora.backends.triton import slot_runs
 from loraplane_server.kernels.triton_lora import triton_available
 from loraplane_server.sampling_params import SamplingParams
 from loraplane_server.sequence import Sequence
@@ -100,6 +101,69 @@ def test_static_decode_step_equals_the_plain_step(
     assert _run(engine, adapters, work) == expected
     assert graphs.num_replays >= 8 and graphs.num_lora_replays >= 4
     assert engine.adapters.manager.stats.evictions["device"] > 0  # slots changed hands between replays
+
+
+def test_slot_runs_group_one_adapters_rows() -> None:
+    """The LoRA segments of a step's rows (none = 9: the base model): consecutive rows of one slot make one run,
+    cut every `longest` rows; a slot seen again after another is a new run."""
+    assert slot_runs([], 9) == []
+    assert slot_runs([9, 9], 9) == []
+    assert slot_runs([0, 0, 0, 1, 9, 1, 1, 0], 9) == [(0, 3, 0), (3, 1, 1), (5, 2, 1), (7, 1, 0)]
+    assert slot_runs([2] * 7, 9, longest=3) == [(0, 3, 2), (3, 3, 2), (6, 1, 2)]
+    assert slot_runs([-1, 4, 4, -1], -1, longest=16) == [(1, 2, 4)]
+
+
+def _in_three_groups(engine: LLMEngine, name: str, path: Path) -> list[list[int]]:
+    """8 requests on the adapter, a step, 8 on the base model, a step, 10 more on the adapter: the running rows
+    interleave adapter and base runs."""
+    engine.adapters.register(name, str(path))
+    engine.adapters.prewarm(name, "host")
+    groups = [[name] * 8, [None] * 8, [name] * 10]
+    ids, done = [], {}
+    for g, group in enumerate(groups):
+        for i, adapter in enumerate(group):
+            ids.append(
+                engine.add_request(
+                    [3 + i, 9, 27 + g, (7 * i) % 50], SamplingParams(max_new_tokens=10), adapter_id=adapter
+                )
+            )
+        while not engine.scheduler.running or engine.scheduler.num_waiting:  # the group admitted, then one step
+            done.update((o.request_id, o) for o in engine.step() if o.finished)
+        done.update((o.request_id, o) for o in engine.step() if o.finished)
+    done.update(run_all(engine, check_errors=True))
+    return [done[i].token_ids for i in ids]
+
+
+@pytest.mark.skipif(not triton_available(), reason="triton is not importable")
+def test_one_adapters_rows_are_one_segment_up_to_a_programs_rows(
+    tiny_llama_dir: Path, adapters: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Running rows that came as adapter, base, adapter: the static step orders them by slot, so its segments are
+    runs of one adapter, cut at ROWS_PER_PROGRAM (16) rows, and its tokens equal the plain engine's (whose eager
+    batch orders and merges them alike)."""
+    fields = {"block_size": 4, "num_kv_blocks": 256, "max_loras": 2, "max_lora_rank": 16, "max_num_seqs": 26}
+    name, path = next(iter(adapters.items()))
+    plain = make_engine(tiny_llama_dir, disk_cache_dir=str(tmp_path / "a"), **TRITON_ON_CPU, **fields)
+    expected = _in_three_groups(plain, name, path)
+    monkeypatch.setattr(LLMEngine, "_graphs_mode", lambda self: "eager")
+    engine = make_engine(tiny_llama_dir, disk_cache_dir=str(tmp_path / "b"), **TRITON_ON_CPU, **fields)
+    graphs = engine.runner.graphs
+    assert graphs is not None
+    seen: list[list[tuple[int, int, int]]] = []
+    fill = graphs._fill
+
+    def spy(seqs: list[Sequence]) -> bool:
+        lora = fill(seqs)
+        v = graphs.views
+        segments = zip(v["seg_starts"], v["seg_lens"], v["seg_slots"], strict=True)
+        seen.append([(int(a), int(n), int(s)) for a, n, s in segments if n])
+        return lora
+
+    monkeypatch.setattr(graphs, "_fill", spy)
+    assert _in_three_groups(engine, name, path) == expected
+    widest = max(seen, key=lambda segs: sum(n for _, n, _ in segs))
+    assert [(a, n) for a, n, _ in widest] == [(8, 16), (24, 2)]  # the 8 base rows first, then 18 adapter rows
+    assert len({s for _, _, s in widest}) == 1
 
 
 @pytest.mark.gpu

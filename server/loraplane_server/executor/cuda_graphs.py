@@ -3,7 +3,7 @@ hundreds of small kernel launches cost more than its math.
 
 At start, one graph is captured per batch-size bucket (1, 2, 4, 8, then every 8 up to --max-num-seqs) and per
 LoRA variant (with the SGMV kernels, or the base model alone). A graph reads static input buffers: token ids,
-positions, KV slots, block tables, context lengths and each row's adapter slot, so one graph serves any mix of
+positions, KV slots, block tables, context lengths and the adapters' row segments, so one graph serves any mix of
 adapters; loading or evicting an adapter rewrites the slot weights in place (executor/lora/slots.py) and the per-slot
 ranks buffer before the next replay, so no graph is ever invalidated. A step of n decode rows runs the
 smallest bucket >= n; the padding rows write their K/V into a scratch block no sequence owns and attend to it
@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from loraplane_server.executor.forward_batch import ForwardBatch
-from loraplane_server.executor.lora.backends.triton import TritonLoRABatch
+from loraplane_server.executor.lora.backends.triton import TritonLoRABatch, slot_runs
+from loraplane_server.kernels.triton_lora import ROWS_PER_PROGRAM
 
 if TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE
@@ -56,20 +57,26 @@ def is_plain_decode(scheduled: list[tuple[Sequence, int]]) -> bool:
 
 
 class GraphLoRABatch(TritonLoRABatch):
-    """A decode step's adapters as static tensors a captured graph reads: row i is the one-row segment i, rows
-    without an adapter (and padding) have slot -1 (the kernels skip them), every layer kind an adapter could
-    target runs, and the per-slot ranks are a buffer refreshed in place before each replay."""
+    """A decode step's adapters as static tensors a captured graph reads: the segments (first row, rows, slot) are
+    the runs of one adapter's rows (the model runner orders the rows by slot), at most ROWS_PER_PROGRAM rows each so
+    that one program covers a segment's rows; the entries past the step's runs have no rows (their programs return
+    at once). Every layer kind an adapter could target runs (a slot of rank 0 there costs its programs' start),
+    and the per-slot ranks are a buffer refreshed in place before each replay."""
 
-    def __init__(self, slots: LoRASlots, row_slots: torch.Tensor, ranks: dict[str, torch.Tensor]) -> None:
+    def __init__(
+        self,
+        slots: LoRASlots,
+        starts: torch.Tensor,
+        lens: torch.Tensor,
+        seg_slots: torch.Tensor,
+        ranks: dict[str, torch.Tensor],
+    ) -> None:
         # not TritonLoRABatch.__init__: that one builds its tensors from one step's lists
-        n = row_slots.numel()
         self.slots = slots
         self.kinds = set(slots.layouts)
-        self.starts = torch.arange(n, dtype=torch.int32, device=row_slots.device)
-        self.lens = torch.ones(n, dtype=torch.int32, device=row_slots.device)
-        self.seg_slots = row_slots
+        self.starts, self.lens, self.seg_slots = starts, lens, seg_slots
         self.ranks = ranks
-        self.max_seg_len = 1
+        self.max_seg_len = ROWS_PER_PROGRAM
 
 
 class DecodeGraphs:
@@ -100,7 +107,10 @@ class DecodeGraphs:
             "slots": torch.zeros(rows, dtype=torch.int64, device=device),
             "lens": torch.ones(rows, dtype=torch.int64, device=device),
             "tables": torch.full((rows, width), scratch_block, dtype=torch.int64, device=device),
-            "lora": torch.full((rows,), -1, dtype=torch.int32, device=device),
+            # the LoRA segments (at most one per row): first row, rows, slot; int32
+            "seg_starts": torch.zeros(rows, dtype=torch.int32, device=device),
+            "seg_lens": torch.zeros(rows, dtype=torch.int32, device=device),
+            "seg_slots": torch.full((rows,), -1, dtype=torch.int32, device=device),
         }
         if self.window_scratch is not None:  # the sliding layers' slots and tables, in their pool
             self.buffers["wslots"] = torch.zeros(rows, dtype=torch.int64, device=device)
@@ -141,7 +151,8 @@ class DecodeGraphs:
             decode_context_lens=b["lens"][:rows],
         )
         if lora and self.lora_slots is not None:
-            batch.lora = GraphLoRABatch(self.lora_slots, b["lora"][:rows], self.ranks)
+            segments = (b["seg_starts"][:rows], b["seg_lens"][:rows], b["seg_slots"][:rows])
+            batch.lora = GraphLoRABatch(self.lora_slots, *segments, self.ranks)
         if self.window_scratch is not None:
             batch.window_batch = replace(
                 batch, slot_mapping=b["wslots"][:rows], decode_block_tables=b["wtables"][:rows]
@@ -220,8 +231,14 @@ class DecodeGraphs:
                 v["wtables"][i, : len(seq.window_table)] = seq.window_table
         with_slots = self.lora_slots is not None
         slots = [seq.lora_slot if with_slots and seq.lora_slot is not None else -1 for seq in seqs]
-        v["lora"][:n] = slots
-        return any(slot >= 0 for slot in slots)
+        runs = slot_runs(slots, -1, ROWS_PER_PROGRAM)
+        k = len(runs)
+        v["seg_starts"][:k] = [r[0] for r in runs]
+        v["seg_lens"][:k] = [r[1] for r in runs]
+        v["seg_slots"][:k] = [r[2] for r in runs]
+        v["seg_lens"][k:n] = 0  # no rows: the buffer's rows past n are padding's, set by _pad_from
+        v["seg_slots"][k:n] = -1
+        return k > 0
 
     def _pad_from(self, first: int, rows: int | None = None) -> None:
         """Rows first..rows (all rows by default) as padding: the scratch slot, one token of context."""
@@ -234,7 +251,8 @@ class DecodeGraphs:
         if self.window_scratch is not None:
             s["wslots"][first:end] = self.window_scratch * self.block_size
             s["wtables"][first:end, 0] = self.window_scratch
-        s["lora"][first:end] = -1
+        s["seg_lens"][first:end] = 0
+        s["seg_slots"][first:end] = -1
         if rows is None:  # at capture: every buffer row starts as padding
             for key, buf in self.buffers.items():
                 buf.copy_(s[key])

@@ -28,6 +28,7 @@ except ImportError:  # CPU-only installs use the torch path; triton_available() 
     _HAS_TRITON = False
 
 _BLOCK_T = 16  # token rows per program; tl.dot needs >= 16 on every dim
+ROWS_PER_PROGRAM = _BLOCK_T  # a segment no longer than this runs as one program per tile of its other axis
 _BLOCK_R = 64  # max shrink output columns (rank axis) per program
 _BLOCK_IN = 64  # shrink reduction tile over IN
 _BLOCK_OUT = 64  # expand output columns per program

@@ -1,6 +1,6 @@
-"""The Triton LoRA backend (CUDA, or TRITON_INTERPRET=1): every adapter row of the step, decode rows as
-one-row segments and prefill runs as they come, in one SGMV launch per matmul (kernels/triton_lora.py),
-mixed ranks in one launch."""
+"""The Triton LoRA backend (CUDA, or TRITON_INTERPRET=1): every adapter row of the step, decode rows in runs of
+one adapter (the model runner orders them by slot) and prefill runs as they come, in one SGMV launch per matmul
+(kernels/triton_lora.py), mixed ranks in one launch."""
 
 from __future__ import annotations
 
@@ -20,8 +20,7 @@ class TritonLoRABatch(LoRABatch):
         self, slots: LoRASlots, decode_slots: list[int], segments: list[tuple[int, int, int]], device: torch.device
     ) -> None:
         super().__init__(slots, decode_slots, segments)
-        none = slots.none_slot
-        segs = [(i, 1, s) for i, s in enumerate(decode_slots) if s != none]
+        segs = slot_runs(decode_slots, slots.none_slot)
         segs += [(start, end - start, s) for start, end, s in segments]
         as_tensor = lambda xs: torch.tensor(xs, dtype=torch.int32, device=device)  # noqa: E731
         self.starts = as_tensor([s for s, _, _ in segs])
@@ -42,6 +41,26 @@ class TritonLoRABatch(LoRABatch):
         sgmv_shrink(x, a, *segs, h, max_seg_len=self.max_seg_len)
         sgmv_expand(h, b, *segs, out, 0, max_seg_len=self.max_seg_len)
         return out
+
+
+def slot_runs(row_slots: list[int], none: int, longest: int | None = None) -> list[tuple[int, int, int]]:
+    """(first row, rows, slot) for each run of consecutive rows on one adapter slot (rows of `none` left out), a run
+    cut every `longest` rows when given: the model runner puts a step's decode rows in slot order on this backend,
+    so each adapter's A and B are read once per run, not once per row (pure)."""
+    runs: list[tuple[int, int, int]] = []
+    for i, slot in enumerate(row_slots):
+        if slot == none:
+            continue
+        if (
+            runs
+            and runs[-1][2] == slot
+            and runs[-1][0] + runs[-1][1] == i
+            and (longest is None or runs[-1][1] < longest)
+        ):
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1, slot)
+        else:
+            runs.append((i, 1, slot))
+    return runs
 
 
 class TritonBackend(LoRABackend):
