@@ -6,11 +6,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from engine_helpers import make_engine, run_all
 
 from loraplane_server.engine.llm_engine import LLMEngine
 from loraplane_server.executor.cuda_graphs import MAX_GRAPH_BATCH, graph_batch_sizes, graph_bucket, is_plain_decode
 from loraplane_server.executor.lora.backends.triton import slot_runs
+from loraplane_server.executor.model_runner import decode_tables
 from loraplane_server.kernels.triton_lora import triton_available
 from loraplane_server.sampling_params import SamplingParams
 from loraplane_server.sequence import Sequence
@@ -101,6 +103,15 @@ def test_static_decode_step_equals_the_plain_step(
     assert _run(engine, adapters, work) == expected
     assert graphs.num_replays >= 8 and graphs.num_lora_replays >= 4
     assert engine.adapters.manager.stats.evictions["device"] > 0  # slots changed hands between replays
+
+
+def test_decode_tables_pad_each_rows_table_with_zeros() -> None:
+    """The eager step's block tables (model_runner.decode_tables, filled through numpy): each row its table, then
+    zeros to the widest, int64, as torch.tensor of the padded lists gave them."""
+    tables = [[5, 9, 2], [7], [1, 2, 3, 4, 2**40]]
+    got = decode_tables(tables)
+    assert got.dtype == torch.int64
+    assert got.tolist() == [[5, 9, 2, 0, 0], [7, 0, 0, 0, 0], [1, 2, 3, 4, 2**40]]
 
 
 def test_slot_runs_group_one_adapters_rows() -> None:
