@@ -125,17 +125,17 @@ def test_slot_runs_group_one_adapters_rows() -> None:
 
 
 def _in_three_groups(engine: LLMEngine, name: str, path: Path) -> list[list[int]]:
-    """8 requests on the adapter, a step, 8 on the base model, a step, 10 more on the adapter: the running rows
+    """8 requests on the adapter, a step, 4 on the base model, a step, 10 more on the adapter: the running rows
     interleave adapter and base runs."""
     engine.adapters.register(name, str(path))
     engine.adapters.prewarm(name, "host")
-    groups = [[name] * 8, [None] * 8, [name] * 10]
+    groups = [[name] * 8, [None] * 4, [name] * 10]
     ids, done = [], {}
     for g, group in enumerate(groups):
         for i, adapter in enumerate(group):
             ids.append(
                 engine.add_request(
-                    [3 + i, 9, 27 + g, (7 * i) % 50], SamplingParams(max_new_tokens=10), adapter_id=adapter
+                    [3 + i, 9, 27 + g, (7 * i) % 50], SamplingParams(max_new_tokens=6), adapter_id=adapter
                 )
             )
         while not engine.scheduler.running or engine.scheduler.num_waiting:  # the group admitted, then one step
@@ -152,7 +152,7 @@ def test_one_adapters_rows_are_one_segment_up_to_a_programs_rows(
     """Running rows that came as adapter, base, adapter: the static step orders them by slot, so its segments are
     runs of one adapter, cut at ROWS_PER_PROGRAM (16) rows, and its tokens equal the plain engine's (whose eager
     batch orders and merges them alike)."""
-    fields = {"block_size": 4, "num_kv_blocks": 256, "max_loras": 2, "max_lora_rank": 16, "max_num_seqs": 26}
+    fields = {"block_size": 4, "num_kv_blocks": 256, "max_loras": 2, "max_lora_rank": 16, "max_num_seqs": 22}
     name, path = next(iter(adapters.items()))
     plain = make_engine(tiny_llama_dir, disk_cache_dir=str(tmp_path / "a"), **TRITON_ON_CPU, **fields)
     expected = _in_three_groups(plain, name, path)
@@ -173,7 +173,7 @@ def test_one_adapters_rows_are_one_segment_up_to_a_programs_rows(
     monkeypatch.setattr(graphs, "_fill", spy)
     assert _in_three_groups(engine, name, path) == expected
     widest = max(seen, key=lambda segs: sum(n for _, n, _ in segs))
-    assert [(a, n) for a, n, _ in widest] == [(8, 16), (24, 2)]  # the 8 base rows first, then 18 adapter rows
+    assert [(a, n) for a, n, _ in widest] == [(4, 16), (20, 2)]  # the 4 base rows first, then 18 adapter rows
     assert len({s for _, _, s in widest}) == 1
 
 
