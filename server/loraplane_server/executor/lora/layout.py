@@ -40,8 +40,8 @@ class LoRALayer(Protocol):
 
 
 class AdapterTensors(Protocol):
-    """An adapter's weights as a slot loads them (adapters/weights.py's LoRAWeights; where it also has a `flat`
-    buffer that every tensor is a view of, LoRASlots moves that buffer to the device in one transfer)."""
+    """An adapter's weights as a slot loads them (adapters/weights.py's LoRAWeights; where its `flat` buffer holds
+    every tensor as a view, LoRASlots moves that buffer to the device in one transfer)."""
 
     @property
     def adapter_id(self) -> str: ...
@@ -51,3 +51,6 @@ class AdapterTensors(Protocol):
 
     @property
     def tensors(self) -> Mapping[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]: ...  # (layer, module) -> (A, B)
+
+    @property
+    def flat(self) -> torch.Tensor | None: ...  # the one buffer every tensor is a view of; None: separate tensors

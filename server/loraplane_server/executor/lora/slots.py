@@ -143,7 +143,7 @@ def on_device(
 ) -> Mapping[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
     """weights.tensors, on `device`: with a `flat` buffer elsewhere, that buffer moved in one transfer
     (asynchronous from page-locked memory) and each pair the same view of the copy; else as they are."""
-    flat = getattr(weights, "flat", None)
+    flat = weights.flat
     if flat is None or flat.device == device:
         return weights.tensors
     moved = flat.to(device, non_blocking=flat.is_pinned())
