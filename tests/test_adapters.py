@@ -191,6 +191,30 @@ def test_thousand_adapters_through_eight_slots(tiny_llama_dir: Path, good_adapte
     assert done[ids[7]].token_ids == peft_greedy(tiny_llama_dir, adapter_dir / "tenant-0007", [[8, 2, 3, 4]], [3])[0]
 
 
+def test_the_host_tier_never_passes_its_budget_while_it_evicts(
+    tiny_llama_dir: Path, good_adapter: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Six adapters into a host budget of three: each eviction happens before the new weights are counted, so
+    host_bytes (read without the manager's lock, as the thousand-adapter test does) is within the budget at every
+    eviction, where adding first had it one adapter over until the evictions ran."""
+    size = sum(v.numel() * 4 for v in load_file(str(good_adapter / "adapter_model.safetensors")).values())
+    adapter_dir = tmp_path / "adapters"
+    for i in range(6):
+        shutil.copytree(good_adapter, adapter_dir / f"t{i}")
+    engine = new_engine(tiny_llama_dir, tmp_path, adapter_dir=str(adapter_dir), host_cache_bytes=3 * size)
+    manager = engine.adapters.manager
+    seen: list[int] = []
+    forget = manager._forget_host
+    monkeypatch.setattr(
+        manager, "_forget_host", lambda adapter_id: seen.append(manager.host_bytes) or forget(adapter_id)
+    )
+    for i in range(6):
+        engine.adapters.prewarm(f"t{i}", "host")
+        run_all(engine)
+    assert manager.stats.evictions["host"] == 3 and len(manager.host) == 3
+    assert seen and max(seen) <= 3 * size and manager.host_bytes == 3 * size
+
+
 def test_hot_adapter_cannot_starve_the_others(tiny_llama_dir: Path, good_adapter: Path, tmp_path: Path) -> None:
     """One adapter with 200 queued requests, 20 adapters with one each, all queued before the first step.
 

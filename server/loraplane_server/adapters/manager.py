@@ -238,14 +238,16 @@ class AdapterManager:
                 return  # unregistered while loading
             self._forget_host(adapter_id)
             rec.rank, rec.size_bytes, rec.target_modules = weights.rank, weights.nbytes, weights.target_modules
-            self.host[adapter_id] = weights
-            self.host_bytes += weights.nbytes
-            self.stats.loads["host"] += 1
-            for victim in [a for a in self.host if a != adapter_id and not self.records[a].pinned]:
-                if self.host_bytes <= self.host_max_bytes:
+            # room first, then the new weights: host_bytes, which callers read without the lock, never
+            # passes the budget on the way, as adding first and evicting after let it for a moment
+            for victim in [a for a in self.host if not self.records[a].pinned]:
+                if self.host_bytes + weights.nbytes <= self.host_max_bytes:
                     break
                 self._forget_host(victim)
                 self.stats.evictions["host"] += 1
+            self.host[adapter_id] = weights
+            self.host_bytes += weights.nbytes
+            self.stats.loads["host"] += 1
 
     def _forget_host(self, adapter_id: str) -> None:
         weights = self.host.pop(adapter_id, None)
