@@ -4,9 +4,7 @@ scheduled step into tokens."""
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
 from dataclasses import replace
-from typing import TypeVar
 
 import numpy as np
 import torch
@@ -22,8 +20,6 @@ from loraplane_server.executor.sampler import Sampler
 from loraplane_server.executor.structured import Fill, Matchers
 from loraplane_server.executor.verifier import verify
 from loraplane_server.sequence import Sequence
-
-T = TypeVar("T")
 
 
 def decode_tables(tables: list[list[int]]) -> torch.Tensor:
@@ -139,7 +135,7 @@ class ModelRunner:
     def prepare(self, scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, ForwardBatch, list[Sequence]]:
         """Flatten a step into input ids and a ForwardBatch; decodes first, then prefill chunks."""
         is_decode = [n == 1 and s.num_computed_tokens == len(s) - 1 for s, n in scheduled]
-        decodes = self._by_adapter([sn for sn, d in zip(scheduled, is_decode, strict=True) if d], lambda sn: sn[0])
+        decodes = [sn for sn, d in zip(scheduled, is_decode, strict=True) if d]
         prefills = [sn for sn, d in zip(scheduled, is_decode, strict=True) if not d]
         ids: list[int] = []
         positions: list[int] = []
@@ -200,12 +196,13 @@ class ModelRunner:
             self.backends.attention.prepare(batch.window_batch, bs)
         return t(ids), batch, samplers
 
-    def _by_adapter(self, items: list[T], seq: Callable[[T], Sequence]) -> list[T]:
-        """Decode rows in adapter-slot order (stable; base rows first) where LoRA runs on Triton, whose batch makes each
-        run of one slot a single segment (an adapter's A and B read once for its rows); as they came elsewhere."""
+    def _by_adapter(self, scheduled: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
+        """The step's sequences in adapter-slot order (stable; base rows first) where LoRA runs on Triton, whose batch
+        makes each run of one slot a single segment (an adapter's A and B read once for its rows); as they came
+        elsewhere."""
         if self.lora_slots is None or not self.use_triton:
-            return items
-        return sorted(items, key=lambda item: -1 if (slot := seq(item).lora_slot) is None else slot)
+            return scheduled
+        return sorted(scheduled, key=lambda sn: -1 if sn[0].lora_slot is None else sn[0].lora_slot)
 
     def _lora_batch(
         self,
@@ -247,8 +244,9 @@ class ModelRunner:
     def run(self, scheduled: list[tuple[Sequence, int]]) -> tuple[list[Sequence], list[list[int]], list[list[float]]]:
         """One forward pass; returns the sequences that sampled, their tokens and logprobs: one each, or for a
         speculative sequence its accepted proposals and the model's own next token (verifier.py)."""
+        scheduled = self._by_adapter(scheduled)
         if self.graphs is not None and self.graphs.applies(scheduled):
-            samplers = self._by_adapter([s for s, _ in scheduled], lambda s: s)
+            samplers = [s for s, _ in scheduled]
             self.prompt_rows = []
             fill = self.matchers.fill(first_rows(samplers))  # structured output's masks, filled during the forward
             logits = self.graphs.forward(samplers)  # [S, V]
